@@ -1,0 +1,95 @@
+"""The Hydra application: one grid cell per job, tracked as one MLflow run."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.experimental.callback import Callback
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from gaexp import tracking
+from gaexp.config import regime_name
+from gaexp.data import NUM_TRAIN, ensure_mnist, load_split
+from gaexp.model import SimpleModel
+from gaexp.train import resolve_device, train
+
+log = logging.getLogger(__name__)
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repository's conf/ (editable install)
+
+
+def prepare(cfg: DictConfig) -> str:
+    """Data and MLflow store, once, before any job runs; returns the experiment id."""
+    ensure_mnist(cfg.data.root, cfg.data.sources)
+    return tracking.prepare_store(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name,
+                                  cfg.mlflow.artifact_location)
+
+
+class PrepareCallback(Callback):
+    """Runs in the launching process, so parallel jobs find a ready store and data."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        prepare(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        prepare(config)
+
+
+def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None) -> float:
+    """Train one cell of the grid and track it; returns the final valid accuracy."""
+    device = resolve_device(cfg.device)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    b, k, seed = cfg.regime.batch_size, cfg.regime.num_accum, cfg.seed
+    regime = regime_name(b, k)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    experiment_id = prepare(cfg)
+    train_data = load_split(cfg.data.root, train=True, device=device)
+    valid_data = load_split(cfg.data.root, train=False, device=device)
+    assert len(train_data.labels) == NUM_TRAIN
+
+    tags = {"norm": cfg.norm.name, "regime": regime, "seed": seed, "batch_size": b,
+            "num_accum": k, "sweep_id": sweep_id, "device": device.type}
+    name = f"{cfg.norm.name}-{regime}-s{seed}"
+    with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        tracking.log_params(client, run_id, resolved)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
+        if hydra_dir is not None and hydra_dir.is_dir():
+            client.log_artifacts(run_id, str(hydra_dir), "hydra")
+
+        torch.manual_seed(seed)  # model initialization; the data order has its own generator
+        model = SimpleModel(cfg.norm.name).to(device, memory_format=torch.channels_last)
+        tic = time.perf_counter()
+        history = train(
+            model, train_data, valid_data, batch_size=b, num_accum=k, seed=seed,
+            num_iterations=cfg.train.num_iterations, eval_period=cfg.train.eval_period,
+            lr=cfg.train.lr, loss_window=cfg.train.loss_window,
+            eval_batch_size=cfg.train.eval_batch_size,
+            on_eval=lambda point: tracking.log_eval_point(client, run_id, point),
+            progress=cfg.progress, desc=name,
+        )
+        tracking.log_summary(client, run_id, history, time.perf_counter() - tic)
+    log.info("%s: final valid_acc %.4f (run %s)", name, history[-1].valid_acc, run_id)
+    return history[-1].valid_acc
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> float:
+    hc = HydraConfig.get()
+    sweep_dir = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.run.dir
+    return run_cell(cfg, sweep_id=Path(sweep_dir).name, hydra_dir=Path(hc.runtime.output_dir) / hc.output_subdir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The application end to end: the real command as a subprocess, then MLflow client assertions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+
+from gaexp.app import CONFIG_DIR, run_cell
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["norm=gn16", "regime=bs4a4", "train.num_iterations=3",
+                                           "train.eval_period=2", f"paths.outputs={tmp_path}",
+                                           f"data.root={data_root}", "data.sources=[local]", "device=cpu"])
+    accuracy = run_cell(cfg, sweep_id="test")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+    assert run.info.run_name == "gn16-bs4a4-s1" and run.info.status == "FINISHED"
+    assert run.data.metrics["final_valid_acc"] == accuracy
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "valid_acc")] == [2, 3]
+    assert run.data.params["regime.batch_size"] == "4" and run.data.params["train.num_iterations"] == "3"
+    assert run.data.params["mlflow.tracking_uri"] == f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, data_root):
+    out = tmp_path_factory.mktemp("sweep")
+    cmd = [sys.executable, "-m", "gaexp", "-m", "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1",
+           "train.num_iterations=4", "train.eval_period=2", f"paths.outputs={out}",
+           f"data.root={data_root}", "data.sources=[local]", "device=cpu"]
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+    return out, client, {run.info.run_name: run for run in runs}
+
+
+def test_sweep_records_one_finished_run_per_cell(sweep):
+    _, _, runs = sweep
+    assert sorted(runs) == ["bn-bs16a1-s1", "bn-bs1a16-s1", "gn4-bs16a1-s1", "gn4-bs1a16-s1"]
+    assert all(run.info.status == "FINISHED" for run in runs.values())
+    tags = runs["bn-bs1a16-s1"].data.tags
+    assert (tags["norm"], tags["regime"], tags["seed"], tags["batch_size"], tags["num_accum"]) == ("bn", "bs1a16", "1", "1", "16")
+    assert len({run.data.tags["sweep_id"] for run in runs.values()}) == 1
+
+
+def test_sweep_histories_and_summaries(sweep):
+    _, client, runs = sweep
+    for run in runs.values():
+        history = client.get_metric_history(run.info.run_id, "valid_acc")
+        assert [m.step for m in history] == [2, 4]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [2, 4]
+        assert run.data.metrics["final_valid_acc"] == history[-1].value
+        assert {"best_valid_acc", "wall_seconds", "samples_per_sec"} <= set(run.data.metrics)
+
+
+def test_accumulation_matches_the_true_batch_end_to_end(sweep):
+    """GroupNorm: 1x16 and 16x1 follow the same trajectory; BatchNorm does not."""
+    _, _, runs = sweep
+    for metric in ("final_valid_acc", "train_loss"):
+        assert runs["gn4-bs1a16-s1"].data.metrics[metric] == pytest.approx(runs["gn4-bs16a1-s1"].data.metrics[metric], abs=2e-4)
+    assert runs["bn-bs1a16-s1"].data.metrics["train_loss"] != pytest.approx(runs["bn-bs16a1-s1"].data.metrics["train_loss"], abs=1e-3)
+
+
+def test_sweep_artifacts_and_folders(sweep):
+    out, client, runs = sweep
+    run_id = runs["gn4-bs16a1-s1"].info.run_id
+    top = {a.path for a in client.list_artifacts(run_id)}
+    assert top == {"config.yaml", "hydra"}
+    assert {a.path for a in client.list_artifacts(run_id, "hydra")} == {"hydra/config.yaml", "hydra/hydra.yaml", "hydra/overrides.yaml"}
+    config = Path(client.download_artifacts(run_id, "config.yaml", str(out))).read_text()
+    assert "name: gn4" in config and "num_iterations: 4" in config
+    (sweep_dir,) = (out / "multirun").iterdir()
+    cells = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert cells[0] == "norm=bn,regime=bs16a1,seed=1,train.eval_period=2,train.num_iterations=4"
+    assert len(cells) == 4 and (sweep_dir / cells[0] / "gaexp.log").is_file()  # job name, not __main__
+    assert runs["gn4-bs16a1-s1"].data.tags["sweep_id"] == sweep_dir.name
+    assert (out / "mlartifacts").is_dir()

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gaexp.model import SimpleModel
+from gaexp.norms import NORMS, norm2d
+
+
+def test_registry_keeps_spec_defaults():
+    bn = norm2d("bn", 32)
+    assert isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.momentum == 0.1 and bn.track_running_stats
+    inorm = norm2d("in", 32)
+    assert isinstance(inorm, nn.InstanceNorm2d) and not inorm.affine and not inorm.track_running_stats
+    assert norm2d("gn4", 64).num_groups == 4 and norm2d("gn16", 64).num_groups == 16
+    assert norm2d("gn4", 64).affine
+    assert isinstance(norm2d("none", 8), nn.Identity)
+
+
+def test_unknown_norm_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown norm 'ln'; valid: \['bn', 'gn16', 'gn4', 'in', 'none'\]"):
+        norm2d("ln", 32)
+
+
+def test_simple_model_shapes_and_size():
+    model = SimpleModel("bn")
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
+        (1, 32, (3, 3), (1, 1)), (32, 64, (3, 3), (1, 1)), (64, 128, (3, 3), (1, 1)), (128, 256, (3, 3), (1, 1))]
+    assert sum(isinstance(m, nn.MaxPool2d) for m in model.modules()) == 3
+    conv_params = 1 * 32 * 9 + 32 + 32 * 64 * 9 + 64 + 64 * 128 * 9 + 128 + 128 * 256 * 9 + 256
+    bn_params = 2 * (32 + 64 + 128 + 256)
+    assert sum(p.numel() for p in model.parameters()) == conv_params + bn_params + 256 * 10 + 10
+    assert model(torch.rand(2, 1, 28, 28)).shape == (2, 10)
+    assert model.features[:-1](torch.rand(1, 1, 28, 28)).shape[-2:] == (3, 3)
+
+
+def test_every_norm_starts_from_the_same_weights():
+    def convs(norm):
+        torch.manual_seed(7)
+        model = SimpleModel(norm)
+        return [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+
+    reference = convs("bn")
+    for norm in NORMS:
+        assert all(torch.equal(a, b) for a, b in zip(reference, convs(norm)))

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from gaexp import tracking
+from gaexp.train import EvalPoint
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"
+    experiment_id = tracking.prepare_store(uri, "exp", str(tmp_path / "artifacts"))
+    return MlflowClient(uri), experiment_id, tmp_path
+
+
+def test_prepare_store_is_idempotent_with_an_explicit_artifact_location(store):
+    client, experiment_id, tmp_path = store
+    assert (tmp_path / "db" / "mlflow.db").is_file()
+    assert tracking.prepare_store(f"sqlite:///{tmp_path}/db/mlflow.db", "exp", "ignored") == experiment_id
+    assert client.get_experiment(experiment_id).artifact_location == (tmp_path / "artifacts").as_uri()
+
+
+def test_a_deleted_experiment_is_a_clear_error(store):
+    client, experiment_id, tmp_path = store
+    client.delete_experiment(experiment_id)
+    with pytest.raises(ValueError, match="'exp' .* is deleted"):
+        tracking.prepare_store(f"sqlite:///{tmp_path}/db/mlflow.db", "exp", None)
+
+
+def test_a_run_that_raises_ends_failed_with_the_error(store):
+    client, experiment_id, _ = store
+    with pytest.raises(RuntimeError):
+        with tracking.tracked_run(client, experiment_id, "bn-bs1a16-s1", {"seed": 1}) as run_id:
+            raise RuntimeError("boom")
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.info.run_name == "bn-bs1a16-s1"
+    assert run.data.tags["error"] == "RuntimeError: boom" and "boom" in run.data.tags["error.traceback"]
+    assert run.data.tags["seed"] == "1"
+
+
+def test_histories_params_and_summary(store):
+    client, experiment_id, _ = store
+    history = [EvalPoint(300, 0.5, 0.9, 100.0), EvalPoint(600, 0.25, 0.95, 120.0), EvalPoint(900, 0.2, 0.94, 130.0)]
+    with tracking.tracked_run(client, experiment_id, "run", {}) as run_id:
+        tracking.log_params(client, run_id, {"train": {"lr": 0.001, "num_iterations": 900}, "seed": 1})
+        for point in history:
+            tracking.log_eval_point(client, run_id, point)
+        tracking.log_summary(client, run_id, history, wall_seconds=12.5)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"train.lr": "0.001", "train.num_iterations": "900", "seed": "1"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "valid_acc")] == [(300, 0.9), (600, 0.95), (900, 0.94)]
+    assert [m.value for m in client.get_metric_history(run_id, "train_loss")] == [0.5, 0.25, 0.2]
+    assert run.data.metrics == {"valid_acc": 0.94, "train_loss": 0.2, "final_valid_acc": 0.94, "best_valid_acc": 0.95,
+                                "wall_seconds": 12.5, "samples_per_sec": 130.0}
+
+
+def test_flatten():
+    assert tracking.flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}) == {"a.b": 1, "a.c.d": [1, 2], "e": None}

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gaexp.data import micro_batch_indices, to_input
+from gaexp.model import SimpleModel
+from gaexp.train import accumulate, evaluate, resolve_device, train
+
+
+def model_for(norm: str, seed: int = 1) -> SimpleModel:
+    torch.manual_seed(seed)
+    return SimpleModel(norm).to(memory_format=torch.channels_last)
+
+
+def one_step_gradients(norm, batch_size, num_accum, data, seed=1):
+    model = model_for(norm, seed)
+    loss = accumulate(model, data, micro_batch_indices(len(data.labels), batch_size, seed), num_accum)
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def relative_differences(grads, reference):
+    """(whole gradient vector, worst single tensor): ||g - r|| / ||r||.
+
+    Per tensor, the floor 1e-3 ||R|| keeps the conv biases before InstanceNorm
+    and GroupNorm (whose true gradient is zero, left as rounding noise) from
+    dividing by zero.
+    """
+    total = torch.cat([r.flatten() for r in reference]).norm()
+    whole = (torch.cat([g.flatten() for g in grads]) - torch.cat([r.flatten() for r in reference])).norm() / total
+    worst = max(((g - r).norm() / (r.norm() + 1e-3 * total)).item() for g, r in zip(grads, reference))
+    return whole.item(), worst
+
+
+@pytest.mark.parametrize("norm", ["none", "in", "gn4", "gn16"])
+def test_accumulation_is_exact_for_batch_independent_norms(norm, train_split):
+    loss16, reference = one_step_gradients(norm, 16, 1, train_split)
+    for b, k in [(1, 16), (4, 4)]:
+        loss, grads = one_step_gradients(norm, b, k, train_split)
+        assert loss == pytest.approx(loss16, rel=1e-5)
+        whole, worst = relative_differences(grads, reference)
+        assert whole < 1e-5 and worst < 1e-3, (norm, b, k, whole, worst)
+
+
+def test_batchnorm_breaks_accumulation(train_split):
+    _, reference = one_step_gradients("bn", 16, 1, train_split)
+    _, ga16 = one_step_gradients("bn", 1, 16, train_split)
+    _, ga4 = one_step_gradients("bn", 4, 4, train_split)
+    assert relative_differences(ga16, reference)[0] > 0.1
+    assert relative_differences(ga4, reference)[0] > 0.01
+
+
+def test_evaluate_is_batch_size_free_and_leaves_batchnorm_alone(train_split, small_valid):
+    model = model_for("bn")
+    accumulate(model, train_split, micro_batch_indices(60000, 16, 1), 1)  # move running stats off init
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    acc = evaluate(model, small_valid, batch_size=256)
+    assert evaluate(model, small_valid, batch_size=7) == acc
+    assert model.training
+    assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())
+    logits = model.eval()(to_input(small_valid.images))
+    assert acc == (logits.argmax(1) == small_valid.labels).sum().item() / 500
+
+
+def test_train_loss_is_the_windowed_mean_of_step_losses(train_split, small_valid):
+    """lr=0 keeps the weights, so every step's loss can be recomputed by hand."""
+    model = model_for("none")
+    history = train(model, train_split, small_valid, batch_size=2, num_accum=2, num_iterations=5,
+                    eval_period=2, lr=0.0, seed=1, loss_window=3, progress=False)
+    batches = micro_batch_indices(60000, 2, 1)
+    with torch.no_grad():
+        step_losses = [sum(F.cross_entropy(model(to_input(train_split.images[i])), train_split.labels[i]).item()
+                           for i in (next(batches), next(batches))) / 2 for _ in range(5)]
+    assert [p.step for p in history] == [2, 4, 5]  # every eval_period, and at the last step
+    assert history[0].train_loss == pytest.approx(sum(step_losses[:2]) / 2, rel=1e-6)
+    assert history[1].train_loss == pytest.approx(sum(step_losses[1:4]) / 3, rel=1e-6)
+    assert history[2].train_loss == pytest.approx(sum(step_losses[2:5]) / 3, rel=1e-6)
+
+
+def test_same_seed_same_metrics_on_cpu(train_split, small_valid):
+    def run(seed):
+        history = train(model_for("bn", seed), train_split, small_valid, batch_size=4, num_accum=4,
+                        num_iterations=6, eval_period=3, lr=1e-3, seed=seed, progress=False)
+        return [(p.step, p.train_loss, p.valid_acc) for p in history]
+
+    first = run(1)
+    assert run(1) == first
+    assert run(2) != first
+
+
+def test_training_learns(train_split, small_valid):
+    model = model_for("gn4")
+    before = evaluate(model, small_valid)
+    history = train(model, train_split, small_valid, batch_size=16, num_accum=1, num_iterations=60,
+                    eval_period=30, lr=1e-3, seed=1, progress=False)
+    assert before < 0.2 and history[-1].valid_acc > 0.3
+    assert history[-1].train_loss < history[0].train_loss
+
+
+def test_device_choice():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match=r"unknown device 'tpu'; valid: auto, cpu, cuda"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda' but"):
+            resolve_device("cuda")
