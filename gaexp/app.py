@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import tracking
+from gaexp import analysis, tracking
 from gaexp.config import regime_name
 from gaexp.data import NUM_TRAIN, ensure_mnist, load_split
 from gaexp.model import SimpleModel
@@ -41,6 +41,31 @@ class PrepareCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         prepare(config)
+
+
+class ReportCallback(Callback):
+    """When a multirun ends: the analysis report of this sweep, as files and as an MLflow run."""
+
+    def __init__(self, window_start: int = 250) -> None:
+        self.window_start = window_start
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_id = Path(config.hydra.sweep.dir).name
+        out = Path(config.paths.outputs) / "reports" / sweep_id
+        try:
+            summary, collected, written = analysis.report(
+                config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id, self.window_start, out)
+        except analysis.AnalysisError as e:
+            log.warning("no report for sweep %s: %s (rerun: python -m gaexp.analysis --sweep %s)", sweep_id, e, sweep_id)
+            return
+        client = MlflowClient(config.mlflow.tracking_uri)
+        experiment_id = client.get_experiment_by_name(config.mlflow.experiment_name).experiment_id
+        tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id}
+        with tracking.tracked_run(client, experiment_id, f"report-{sweep_id}", tags) as run_id:
+            for path in written:
+                client.log_artifact(run_id, str(path))
+        log.info("report of sweep %s in %s and MLflow run report-%s\n%s", sweep_id, out, sweep_id,
+                 analysis.format_table(summary))
 
 
 def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None) -> float:

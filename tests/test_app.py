@@ -35,12 +35,13 @@ def sweep(tmp_path_factory, data_root):
     out = tmp_path_factory.mktemp("sweep")
     cmd = [sys.executable, "-m", "gaexp", "-m", "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1",
            "train.num_iterations=4", "train.eval_period=2", f"paths.outputs={out}",
-           f"data.root={data_root}", "data.sources=[local]", "device=cpu"]
+           f"data.root={data_root}", "data.sources=[local]", "device=cpu",
+           "hydra.callbacks.report.window_start=0"]
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
-    return out, client, {run.info.run_name: run for run in runs}
+    return out, client, {run.info.run_name: run for run in runs if "norm" in run.data.tags}
 
 
 def test_sweep_records_one_finished_run_per_cell(sweep):
@@ -84,3 +85,28 @@ def test_sweep_artifacts_and_folders(sweep):
     assert len(cells) == 4 and (sweep_dir / cells[0] / "gaexp.log").is_file()  # job name, not __main__
     assert runs["gn4-bs16a1-s1"].data.tags["sweep_id"] == sweep_dir.name
     assert (out / "mlartifacts").is_dir()
+
+
+def test_sweep_end_writes_the_report_and_logs_it_to_mlflow(sweep):
+    out, client, runs = sweep
+    sweep_id = runs["bn-bs1a16-s1"].data.tags["sweep_id"]
+    table = (out / "reports" / sweep_id / "table.md").read_text()
+    assert "| bn | " in table and "| gn4 | " in table and (out / "reports" / sweep_id / "curves.png").is_file()
+    (report,) = client.search_runs([runs["bn-bs1a16-s1"].info.experiment_id], "tags.`gaexp.role` = 'report'")
+    assert report.info.run_name == f"report-{sweep_id}" and report.data.tags["sweep_id"] == sweep_id
+    assert {"table.md", "curves.png", "curves.pdf", "runs.csv"} <= {a.path for a in client.list_artifacts(report.info.run_id)}
+
+
+def test_report_cli_on_the_real_sweep(sweep, tmp_path):
+    out, client, runs = sweep
+    cli = [sys.executable, "-m", "gaexp.analysis", "--tracking-uri", f"sqlite:///{out}/mlflow.db"]
+    proc = subprocess.run([*cli, "--window-start", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "runs: 4 finished, 0 excluded" in proc.stdout
+    gn4 = next(line for line in proc.stdout.splitlines() if line.startswith("| gn4 | "))
+    history = [m.value for m in client.get_metric_history(runs["gn4-bs16a1-s1"].info.run_id, "valid_acc")]
+    assert gn4.count("|") == 4 and gn4.split("|")[2].strip() == f"{100 * sum(history) / len(history):.2f}"
+    assert (tmp_path / "table.csv").is_file()
+    bad = subprocess.run([*cli, "--sweep", "nope"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: no sweep 'nope'")
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,298 @@
+"""Rebuild SPEC.md's comparison table and learning curves from the MLflow store.
+
+Stages, each testable alone: `collect` (MLflow -> one tidy DataFrame),
+`summarize` (pure pandas -> tables), `plot_curves` (matplotlib -> figures),
+`export` (files). `python -m gaexp.analysis --help` runs them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from mlflow.entities import ViewType  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from scipy import stats  # noqa: E402
+
+NORM_ORDER = ["bn", "in", "gn4", "gn16", "none"]
+REGIME_ORDER = ["bs1a1", "bs1a16", "bs4a4", "bs16a1"]
+TABLE_COLUMNS = ["bs16a1", "bs1a16", "bs4a4"]  # effective batch 16; bs1a1 is the reference curve
+REFERENCE = "bs16a1"
+PROTOCOL = ["num_iterations", "eval_period", "lr", "loss_window"]  # runs differing here never mix
+TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
+        "step", "valid_acc", "train_loss"]
+REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
+
+
+class AnalysisError(RuntimeError):
+    """A one-line reason the analysis cannot go on (unknown experiment or sweep, mixed protocols...)."""
+
+
+@dataclass
+class Collected:
+    data: pd.DataFrame  # tidy: one row per (run, evaluation step), columns TIDY
+    excluded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["run_id", "run_name", "status"]))
+    sweep: str = "all"
+
+
+def _order(values: Sequence[str], preferred: Sequence[str]) -> list[str]:
+    present = list(dict.fromkeys(values))
+    return [v for v in preferred if v in present] + sorted(v for v in present if v not in preferred)
+
+
+def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -> Collected:
+    """Runs and their metric histories; `sweep` is 'latest', 'all' or a sweep id.
+
+    FINISHED runs are the data; FAILED, KILLED and still RUNNING ones are listed
+    in `excluded`, never averaged in.
+    """
+    try:
+        experiment = client.get_experiment_by_name(experiment_name)
+    except MlflowException as e:
+        raise AnalysisError(f"cannot read the MLflow store {client.tracking_uri}: {e.message}") from None
+    if experiment is None:
+        names = [e.name for e in client.search_experiments()]
+        raise AnalysisError(f"no experiment {experiment_name!r} in {client.tracking_uri}; there: {names}")
+    runs = [r for r in client.search_runs([experiment.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
+                                          max_results=50_000)
+            if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE]
+    if not runs:
+        raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
+    sweeps = {r.data.tags.get("sweep_id", "") for r in runs}
+    if sweep == "latest":
+        sweep = max(runs, key=lambda r: r.info.start_time).data.tags.get("sweep_id", "")
+    elif sweep != "all" and sweep not in sweeps:
+        raise AnalysisError(f"no sweep {sweep!r} in experiment {experiment_name!r}; there: {sorted(sweeps)}")
+    if sweep != "all":
+        runs = [r for r in runs if r.data.tags.get("sweep_id") == sweep]
+
+    rows, excluded = [], []
+    for run in runs:
+        if run.info.status != "FINISHED":
+            excluded.append((run.info.run_id, run.info.run_name, run.info.status))
+            continue
+        tags, params = run.data.tags, run.data.params
+        base = {"run_id": run.info.run_id, "sweep_id": tags.get("sweep_id", ""), "norm": tags["norm"],
+                "regime": tags["regime"], "batch_size": int(tags["batch_size"]),
+                "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
+                **{key: float(params.get(f"train.{key}", "nan")) for key in PROTOCOL}}
+        histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+                     for key in ("valid_acc", "train_loss")}
+        for step in sorted(histories["valid_acc"]):
+            rows.append({**base, "step": step, "valid_acc": histories["valid_acc"][step],
+                         "train_loss": histories["train_loss"].get(step, np.nan)})
+    data = pd.DataFrame(rows, columns=TIDY)
+    return Collected(data, pd.DataFrame(excluded, columns=["run_id", "run_name", "status"]), sweep)
+
+
+def check_protocol(data: pd.DataFrame) -> None:
+    """Refuse to average runs of different protocols together."""
+    protocols = data[PROTOCOL].drop_duplicates()
+    if len(protocols) > 1:
+        found = "; ".join(", ".join(f"{k}={v:g}" for k, v in row.items()) for _, row in protocols.iterrows())
+        raise AnalysisError(f"runs of {len(protocols)} different protocols ({found}); "
+                            "choose one sweep with --sweep")
+
+
+def t_interval(values: pd.Series) -> tuple[float, float, float]:
+    """Mean and the two ends of its 95% Student-t interval (nan ends with fewer than 2 values)."""
+    n, mean = len(values), float(values.mean())
+    if n < 2:
+        return mean, np.nan, np.nan
+    half = stats.t.ppf(0.975, n - 1) * values.std(ddof=1) / np.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+@dataclass
+class Summary:
+    table: pd.DataFrame  # SPEC.md's table: rows norm, columns TABLE_COLUMNS, pooled mean valid acc
+    cells: pd.DataFrame  # per (norm, regime): mean, std over seeds, seeds, final-step accuracy
+    paired: pd.DataFrame  # per norm and GA regime: paired (same seed) difference to bs16a1, 95% CI
+    missing: list[str]  # cells with fewer seeds than the fullest cell, or none at all
+    window_start: int
+
+
+def summarize(data: pd.DataFrame, window_start: int = 250) -> Summary:
+    """The tables, from the tidy data; evaluations at step > window_start count."""
+    if data.empty:
+        raise AnalysisError("no FINISHED runs to summarize")
+    check_protocol(data)
+    window = data[data.step > window_start]
+    if window.empty:
+        raise AnalysisError(f"no evaluation after step {window_start} (last step {data.step.max()})")
+    norms = _order(data.norm, NORM_ORDER)
+    regimes = _order(data.regime, REGIME_ORDER)
+
+    pooled = window.groupby(["norm", "regime"]).valid_acc.mean()
+    columns = [r for r in TABLE_COLUMNS if r in regimes]
+    table = pooled.unstack("regime").reindex(index=norms, columns=columns)
+    table.columns.name, table.index.name = None, "norm"
+
+    per_run = window.groupby(["norm", "regime", "seed"]).valid_acc.mean()
+    final = data[data.step == data.groupby("run_id").step.transform("max")]
+    final_acc = final.groupby(["norm", "regime"]).valid_acc.mean()
+    cells = per_run.groupby(["norm", "regime"]).agg(mean="mean", std="std", seeds="count")
+    cells["final_acc"] = final_acc
+    cells = cells.reindex(pd.MultiIndex.from_product([norms, regimes], names=["norm", "regime"])).dropna(how="all")
+    cells["seeds"] = cells.seeds.astype(int)
+
+    paired_rows = []
+    for norm in norms:
+        for regime in (r for r in TABLE_COLUMNS if r != REFERENCE):
+            if (norm, regime) not in per_run.index or (norm, REFERENCE) not in per_run.index:
+                continue
+            diff = (per_run[norm, regime] - per_run[norm, REFERENCE]).dropna()  # aligned on seed
+            if diff.empty:
+                continue
+            mean, low, high = t_interval(diff)
+            paired_rows.append({"norm": norm, "regime": regime, "diff": mean, "ci_low": low,
+                                "ci_high": high, "pairs": len(diff),
+                                "matches": bool(low <= 0 <= high) if not np.isnan(low) else None})
+    paired = pd.DataFrame(paired_rows, columns=["norm", "regime", "diff", "ci_low", "ci_high", "pairs", "matches"])
+
+    most = int(cells.seeds.max())
+    seeds = per_run.groupby(["norm", "regime"]).size()
+    missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
+               for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
+    return Summary(table, cells, paired, missing, window_start)
+
+
+def _grid(n_panels: int, ncols: int = 3):
+    nrows = -(-n_panels // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), sharex=True, sharey=True,
+                             squeeze=False, constrained_layout=True)
+    for ax in axes.flat[n_panels:]:
+        ax.remove()
+    return fig, axes.flat[:n_panels]
+
+
+def plot_curves(data: pd.DataFrame, metric: str = "valid_acc") -> plt.Figure:
+    """One panel per norm, one colour per regime: mean over seeds, band from min to max."""
+    norms = _order(data.norm, NORM_ORDER)
+    regimes = _order(data.regime, REGIME_ORDER)
+    colors = dict(zip(REGIME_ORDER, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
+    fig, axes = _grid(len(norms))
+    stats_ = data.groupby(["norm", "regime", "step"])[metric].agg(["mean", "min", "max"]).reset_index()
+    for ax, norm in zip(axes, norms):
+        for regime in regimes:
+            s = stats_[(stats_.norm == norm) & (stats_.regime == regime)]
+            if s.empty:
+                continue
+            color = colors.get(regime)
+            ax.plot(s.step, s["mean"], marker="o", ms=3, lw=1.6, color=color, label=regime)
+            ax.fill_between(s.step, s["min"], s["max"], color=ax.lines[-1].get_color(), alpha=0.18, lw=0)
+        ax.set_title(norm, fontsize=12)
+        ax.grid(alpha=0.3)
+    if metric == "valid_acc":
+        low = np.nanpercentile(data.valid_acc, 5)
+        axes[0].set_ylim(max(0.0, min(low, 0.95) - 0.02), 1.0)
+        label = "validation accuracy"
+    else:
+        axes[0].set_yscale("log")
+        label = "train loss (mean of last 100 steps)"
+    for ax in axes:
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel(label)
+        if ax.get_subplotspec().is_last_row() or len(axes) <= 3:
+            ax.set_xlabel("optimizer step")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", title="regime", frameon=False)
+    seeds = data.groupby(["norm", "regime"]).seed.nunique().max()
+    fig.suptitle(f"{label.split(' (')[0].capitalize()} vs step: mean over {seeds} seed(s), band min-max")
+    return fig
+
+
+def format_table(summary: Summary) -> str:
+    """SPEC.md's table as Markdown, then the fuller one, the paired differences and what is missing."""
+    def pct(x: float) -> str:
+        return "" if pd.isna(x) else f"{100 * x:.2f}"
+
+    header = ["norm", *summary.table.columns]
+    lines = [f"Mean valid accuracy (%) over evaluations at step > {summary.window_start}, pooled over seeds", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for norm, row in summary.table.iterrows():
+        lines.append("| " + " | ".join([norm, *(pct(v) for v in row)]) + " |")
+    lines += ["", "Per cell: mean and std across seeds of each run's windowed mean, seeds, final-step accuracy", "",
+              "| norm | regime | mean % | std % | seeds | final % |", "|---|---|---|---|---|---|"]
+    for (norm, regime), c in summary.cells.iterrows():
+        lines.append(f"| {norm} | {regime} | {pct(c['mean'])} | {pct(c['std'])} | {c.seeds} | {pct(c.final_acc)} |")
+    if not summary.paired.empty:
+        lines += ["", f"Paired (same seed) difference to {REFERENCE}, percentage points, 95% t-interval", "",
+                  "| norm | regime | diff | 95% CI | pairs | GA matches true batch? |", "|---|---|---|---|---|---|"]
+        for p in summary.paired.itertuples():
+            ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
+            verdict = {True: "yes (0 inside)", False: "no", None: "n/a (1 seed)"}[p.matches]
+            lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {p.pairs} | {verdict} |")
+    if summary.missing:
+        lines += ["", "Missing cells: " + "; ".join(summary.missing)]
+    return "\n".join(lines) + "\n"
+
+
+def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
+    """Write tables, figures and the tidy data under `out`; return the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "table.md", out / "table.csv", out / "cells.csv", out / "paired.csv", out / "runs.csv"]
+    text = format_table(summary)
+    if not collected.excluded.empty:
+        text += "\nExcluded runs (not FINISHED): " + "; ".join(
+            f"{r.run_name} ({r.status})" for r in collected.excluded.itertuples()) + "\n"
+    written[0].write_text(text)
+    summary.table.to_csv(written[1])
+    summary.cells.to_csv(written[2])
+    summary.paired.to_csv(written[3], index=False)
+    collected.data.to_csv(written[4], index=False)
+    for metric, stem in (("valid_acc", "curves"), ("train_loss", "train_loss")):
+        fig = plot_curves(collected.data, metric)
+        for suffix in (".png", ".pdf"):
+            fig.savefig(out / f"{stem}{suffix}", dpi=150)
+            written.append(out / f"{stem}{suffix}")
+        plt.close(fig)
+    return written
+
+
+def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", window_start: int = 250,
+           out: Path | None = None, outputs_root: Path = Path("outputs")) -> tuple[Summary, Collected, list[Path]]:
+    """collect -> summarize -> export; the default folder is outputs/reports/<sweep>."""
+    collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
+    summary = summarize(collected.data, window_start)
+    folder = out if out is not None else outputs_root / "reports" / (collected.sweep or "unnamed")
+    return summary, collected, export(collected, summary, folder)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    default_uri = "sqlite:///" + str(Path("outputs/mlflow.db").resolve())
+    parser = argparse.ArgumentParser(prog="gaexp-report", description=(
+        "Rebuild the comparison table and learning curves of a gaexp sweep from MLflow."))
+    parser.add_argument("--tracking-uri", default=default_uri,
+                        help="MLflow store: sqlite:///... or http://HOST:PORT (default: %(default)s)")
+    parser.add_argument("--experiment", default="gaexp", help="experiment name (default: %(default)s)")
+    parser.add_argument("--sweep", default="latest",
+                        help="'latest' (the sweep of the newest run), 'all', or a sweep id (default: %(default)s)")
+    parser.add_argument("--window-start", type=int, default=250,
+                        help="average evaluations at step > this (default: %(default)s; 2499 for the tail)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<sweep>)")
+    args = parser.parse_args(argv)
+    if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
+        sys.exit(f"error: no MLflow store at {args.tracking_uri}")
+    try:
+        summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, args.window_start, args.out)
+    except AnalysisError as e:
+        sys.exit(f"error: {e}")
+    print(f"sweep: {collected.sweep}  runs: {collected.data.run_id.nunique()} finished, "
+          f"{len(collected.excluded)} excluded")
+    print(written[0].read_text())
+    print("written: " + ", ".join(str(p) for p in written))
+
+
+if __name__ == "__main__":
+    main()

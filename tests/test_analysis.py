@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+from gaexp import analysis, tracking
+from gaexp.analysis import AnalysisError, collect, plot_curves, summarize
+from gaexp.train import EvalPoint
+
+STEPS = (300, 600, 900)
+# (norm, regime, seed) -> valid_acc at STEPS; chosen so every mean can be checked by hand
+HISTORIES = {
+    ("bn", "bs16a1", 1): (0.90, 0.92, 0.94), ("bn", "bs16a1", 2): (0.80, 0.82, 0.84),
+    ("bn", "bs1a16", 1): (0.50, 0.60, 0.70), ("bn", "bs1a16", 2): (0.40, 0.45, 0.50),
+    ("bn", "bs4a4", 1): (0.88, 0.90, 0.92), ("bn", "bs4a4", 2): (0.80, 0.84, 0.88),
+    ("bn", "bs1a1", 1): (0.30, 0.40, 0.50), ("bn", "bs1a1", 2): (0.20, 0.30, 0.40),
+    ("gn4", "bs16a1", 1): (0.90, 0.91, 0.92), ("gn4", "bs16a1", 2): (0.86, 0.87, 0.88),
+    ("gn4", "bs1a16", 1): (0.90, 0.91, 0.92), ("gn4", "bs1a16", 2): (0.86, 0.87, 0.88),
+}
+
+
+def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
+            num_iterations=900, eval_period=300):
+    b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
+    tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
+    run_id = client.create_run(experiment_id, run_name=f"{norm}-{regime}-s{seed}",
+                               tags={k_: str(v) for k_, v in tags.items()}).info.run_id
+    tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
+                                                   "lr": 0.001, "loss_window": 100}})
+    for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
+        tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
+    client.set_terminated(run_id, status)
+    return run_id
+
+
+@pytest.fixture
+def store(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    for (norm, regime, seed), accs in HISTORIES.items():
+        add_run(client, experiment_id, norm, regime, seed, accs)
+    return client, experiment_id, uri
+
+
+def test_collect_is_tidy(store):
+    client, _, _ = store
+    collected = collect(client, "gaexp", "latest")
+    data = collected.data
+    assert list(data.columns) == analysis.TIDY and len(data) == 3 * len(HISTORIES)
+    row = data[(data.norm == "bn") & (data.regime == "bs1a16") & (data.seed == 2) & (data.step == 600)].iloc[0]
+    assert (row.valid_acc, row.train_loss, row.batch_size, row.num_accum) == (0.45, pytest.approx(0.55), 1, 16)
+    assert collected.sweep == "sweep-a" and collected.excluded.empty
+
+
+def test_table_equals_hand_computed_means(store):
+    client, _, _ = store
+    summary = summarize(collect(client, "gaexp").data)
+    table = summary.table
+    assert list(table.columns) == ["bs16a1", "bs1a16", "bs4a4"] and list(table.index) == ["bn", "gn4"]
+    assert table.loc["bn", "bs16a1"] == pytest.approx((0.90 + 0.92 + 0.94 + 0.80 + 0.82 + 0.84) / 6, abs=1e-12)
+    assert table.loc["bn", "bs1a16"] == pytest.approx((0.50 + 0.60 + 0.70 + 0.40 + 0.45 + 0.50) / 6, abs=1e-12)
+    assert table.loc["bn", "bs4a4"] == pytest.approx((0.88 + 0.90 + 0.92 + 0.80 + 0.84 + 0.88) / 6, abs=1e-12)
+    assert table.loc["gn4", "bs1a16"] == pytest.approx(0.89, abs=1e-12)
+    assert np.isnan(table.loc["gn4", "bs4a4"])
+
+    cell = summary.cells.loc[("bn", "bs1a16")]
+    assert cell["mean"] == pytest.approx((0.6 + 0.45) / 2) and cell["std"] == pytest.approx(np.std([0.6, 0.45], ddof=1))
+    assert cell.seeds == 2 and cell.final_acc == pytest.approx((0.70 + 0.50) / 2)
+
+
+def test_window_start_keeps_only_later_evaluations(store):
+    client, _, _ = store
+    summary = summarize(collect(client, "gaexp").data, window_start=600)
+    assert summary.table.loc["bn", "bs16a1"] == pytest.approx((0.94 + 0.84) / 2, abs=1e-12)
+    assert summary.table.loc["bn", "bs1a16"] == pytest.approx((0.70 + 0.50) / 2, abs=1e-12)
+    with pytest.raises(AnalysisError, match="no evaluation after step 900"):
+        summarize(collect(client, "gaexp").data, window_start=900)
+
+
+def test_paired_differences_with_t_intervals(store):
+    client, _, _ = store
+    paired = summarize(collect(client, "gaexp").data).paired.set_index(["norm", "regime"])
+    diffs = np.array([0.6 - 0.92, 0.45 - 0.82])  # per seed: windowed means of bs1a16 minus bs16a1
+    half = 12.706204736174707 * diffs.std(ddof=1) / np.sqrt(2)  # t(0.975, df=1)
+    bn = paired.loc[("bn", "bs1a16")]
+    assert bn["diff"] == pytest.approx(diffs.mean()) and bn.pairs == 2
+    assert (bn.ci_low, bn.ci_high) == (pytest.approx(diffs.mean() - half), pytest.approx(diffs.mean() + half))
+    gn = paired.loc[("gn4", "bs1a16")]
+    assert gn["diff"] == pytest.approx(0.0, abs=1e-12) and gn.matches
+    assert ("gn4", "bs4a4") not in paired.index
+
+
+def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
+    client, experiment_id, _ = store
+    add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.1, 0.1, 0.1), status="FAILED")
+    add_run(client, experiment_id, "gn4", "bs1a1", 1, (0.5, 0.6, 0.7))
+    collected = collect(client, "gaexp")
+    assert collected.excluded.run_name.tolist() == ["gn4-bs4a4-s1"] and collected.excluded.status.tolist() == ["FAILED"]
+    summary = summarize(collected.data)
+    assert np.isnan(summary.table.loc["gn4", "bs4a4"])
+    assert summary.missing == ["gn4/bs1a1: 1 of 2 seeds", "gn4/bs4a4: no run"]
+    analysis.export(collected, summary, tmp_path / "report")
+    text = (tmp_path / "report" / "table.md").read_text()
+    assert "Missing cells: gn4/bs1a1: 1 of 2 seeds; gn4/bs4a4: no run" in text
+    assert "Excluded runs (not FINISHED): gn4-bs4a4-s1 (FAILED)" in text
+
+
+def test_different_protocols_are_refused(store):
+    client, experiment_id, _ = store
+    add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.9, 0.9), num_iterations=1200, eval_period=600)
+    with pytest.raises(AnalysisError, match="2 different protocols .*num_iterations=1200.*--sweep"):
+        summarize(collect(client, "gaexp").data)
+
+
+def test_sweep_selection(store):
+    client, experiment_id, _ = store
+    add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.9, 0.9, 0.9), sweep="sweep-b")
+    assert collect(client, "gaexp", "latest").data.sweep_id.unique().tolist() == ["sweep-b"]
+    assert collect(client, "gaexp", "sweep-a").data.run_id.nunique() == len(HISTORIES)
+    assert collect(client, "gaexp", "all").data.run_id.nunique() == len(HISTORIES) + 1
+    with pytest.raises(AnalysisError, match=r"no sweep 'nope' .*\['sweep-a', 'sweep-b'\]"):
+        collect(client, "gaexp", "nope")
+    with pytest.raises(AnalysisError, match=r"no experiment 'other' .*\['gaexp', 'Default'\]"):
+        collect(client, "other")
+
+
+def test_figures_have_a_panel_per_norm_and_a_line_per_regime(store):
+    client, _, _ = store
+    data = collect(client, "gaexp").data
+    fig = plot_curves(data)
+    axes = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in axes] == ["bn", "gn4"]
+    assert [line.get_label() for line in axes[0].lines] == ["bs1a1", "bs1a16", "bs4a4", "bs16a1"]
+    assert [line.get_label() for line in axes[1].lines] == ["bs1a16", "bs16a1"]
+    mean_line = axes[0].lines[1]  # bn/bs1a16: mean over the two seeds at each step
+    assert list(mean_line.get_xdata()) == list(STEPS)
+    assert np.allclose(mean_line.get_ydata(), [0.45, 0.525, 0.60])
+    assert axes[0].get_ylim() == axes[1].get_ylim() and axes[0].get_ylabel() == "validation accuracy"
+    plt.close(fig)
+    fig = plot_curves(data, "train_loss")
+    assert fig.axes[0].get_yscale() == "log"
+    plt.close(fig)
+
+
+def test_export_writes_every_file(store, tmp_path):
+    client, _, uri = store
+    summary, collected, written = analysis.report(uri, "gaexp", out=tmp_path / "r")
+    assert sorted(p.name for p in written) == sorted(
+        ["table.md", "table.csv", "cells.csv", "paired.csv", "runs.csv",
+         "curves.png", "curves.pdf", "train_loss.png", "train_loss.pdf"])
+    assert all(p.stat().st_size > 0 for p in written)
+    table = pd.read_csv(tmp_path / "r" / "table.csv", index_col="norm")
+    assert table.loc["bn", "bs16a1"] == pytest.approx(summary.table.loc["bn", "bs16a1"])
+    assert (tmp_path / "r" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        analysis.main(["--tracking-uri", f"sqlite:///{tmp_path}/none.db"])
+    assert info.value.code == f"error: no MLflow store at sqlite:///{tmp_path}/none.db"
+    assert not (tmp_path / "none.db").exists()
