@@ -105,7 +105,7 @@ def test_report_cli_on_the_real_sweep(sweep, tmp_path):
     assert "runs: 4 finished, 0 excluded" in proc.stdout
     gn4 = next(line for line in proc.stdout.splitlines() if line.startswith("| gn4 | "))
     history = [m.value for m in client.get_metric_history(runs["gn4-bs16a1-s1"].info.run_id, "valid_acc")]
-    assert gn4.count("|") == 4 and gn4.split("|")[2].strip() == f"{100 * sum(history) / len(history):.2f}"
+    assert gn4.count("|") == 5 and gn4.split("|")[2].strip() == f"{100 * sum(history) / len(history):.2f}"
     assert (tmp_path / "table.csv").is_file()
     bad = subprocess.run([*cli, "--sweep", "nope"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: no sweep 'nope'")
