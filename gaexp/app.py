@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gaexp import analysis, tracking
 from gaexp.config import regime_name
-from gaexp.data import NUM_TRAIN, ensure_mnist, load_split
+from gaexp.data import NUM_TRAIN, ensure_mnist, load_split, to_input
+from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
 from gaexp.train import resolve_device, train
 
@@ -68,11 +70,25 @@ class ReportCallback(Callback):
                  analysis.format_table(summary))
 
 
-def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None) -> float:
+def threads_for(setting: int | str, n_jobs: int | None, cores: int | None = None) -> int:
+    """torch threads per run: `auto` makes jobs x threads = cores (0 keeps torch's default)."""
+    if setting != "auto":
+        if not isinstance(setting, int) or setting < 0:
+            raise ValueError(f"threads={setting!r}; valid: auto or an integer >= 0")
+        return setting
+    if not n_jobs:
+        return 0  # one cell at a time: torch's default uses every core
+    cores = cores or os.cpu_count() or 1
+    jobs = n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)  # joblib: -1 = all cores, -2 = all but one
+    return max(1, cores // jobs)
+
+
+def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, n_jobs: int | None = None) -> float:
     """Train one cell of the grid and track it; returns the final valid accuracy."""
     device = resolve_device(cfg.device)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    threads = threads_for(cfg.threads, n_jobs)
+    if threads:
+        torch.set_num_threads(threads)
     b, k, seed = cfg.regime.batch_size, cfg.regime.num_accum, cfg.seed
     regime = regime_name(b, k)
     client = MlflowClient(cfg.mlflow.tracking_uri)
@@ -82,7 +98,7 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None) -> f
     assert len(train_data.labels) == NUM_TRAIN
 
     tags = {"norm": cfg.norm.name, "regime": regime, "seed": seed, "batch_size": b,
-            "num_accum": k, "sweep_id": sweep_id, "device": device.type}
+            "num_accum": k, "sweep_id": sweep_id, "device": device.type, "threads": torch.get_num_threads()}
     name = f"{cfg.norm.name}-{regime}-s{seed}"
     with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
         resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -95,16 +111,23 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None) -> f
 
         torch.manual_seed(seed)  # model initialization; the data order has its own generator
         model = SimpleModel(cfg.norm.name).to(device, memory_format=torch.channels_last)
+        act_bytes = activation_bytes(model, to_input(train_data.images[:b]), train_data.labels[:b])
+        reset_peak_rss()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         tic = time.perf_counter()
         history = train(
-            model, train_data, valid_data, batch_size=b, num_accum=k, seed=seed,
+            torch.compile(model) if cfg.compile else model, train_data, valid_data, batch_size=b, num_accum=k, seed=seed,
             num_iterations=cfg.train.num_iterations, eval_period=cfg.train.eval_period,
             lr=cfg.train.lr, loss_window=cfg.train.loss_window,
             eval_batch_size=cfg.train.eval_batch_size,
             on_eval=lambda point: tracking.log_eval_point(client, run_id, point),
             progress=cfg.progress, desc=name,
         )
-        tracking.log_summary(client, run_id, history, time.perf_counter() - tic)
+        memory = {"activation_mb": act_bytes / 2**20, "peak_rss_mb": peak_rss_bytes() / 2**20}
+        if device.type == "cuda":
+            memory["cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
     log.info("%s: final valid_acc %.4f (run %s)", name, history[-1].valid_acc, run_id)
     return history[-1].valid_acc
 
@@ -113,7 +136,9 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None) -> f
 def main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     sweep_dir = hc.sweep.dir if hc.mode == RunMode.MULTIRUN else hc.run.dir
-    return run_cell(cfg, sweep_id=Path(sweep_dir).name, hydra_dir=Path(hc.runtime.output_dir) / hc.output_subdir)
+    n_jobs = hc.launcher.get("n_jobs") if hc.mode == RunMode.MULTIRUN else None
+    return run_cell(cfg, sweep_id=Path(sweep_dir).name, hydra_dir=Path(hc.runtime.output_dir) / hc.output_subdir,
+                    n_jobs=n_jobs)
 
 
 if __name__ == "__main__":

@@ -96,12 +96,15 @@ def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
     ])
 
 
-def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wall_seconds: float) -> None:
+def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wall_seconds: float,
+                extra: Mapping[str, float] | None = None) -> None:
+    """Run-level metrics at the last step: accuracy, speed, and any `extra` (e.g. memory)."""
     now, last = int(time.time() * 1000), history[-1]
     values = {
         "final_valid_acc": last.valid_acc,
         "best_valid_acc": max(p.valid_acc for p in history),
         "wall_seconds": wall_seconds,
         "samples_per_sec": last.samples_per_sec,
+        **(extra or {}),
     }
     client.log_batch(run_id, metrics=[Metric(k, v, now, last.step) for k, v in values.items()])

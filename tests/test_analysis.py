@@ -23,7 +23,7 @@ HISTORIES = {
 
 
 def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
-            num_iterations=900, eval_period=300):
+            num_iterations=900, eval_period=300, summary=None):
     b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
     tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
     run_id = client.create_run(experiment_id, run_name=f"{norm}-{regime}-s{seed}",
@@ -32,6 +32,8 @@ def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", st
                                                    "lr": 0.001, "loss_window": 100}})
     for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
         tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
+    for key, value in (summary or {}).items():
+        client.log_metric(run_id, key, value)
     client.set_terminated(run_id, status)
     return run_id
 
@@ -163,3 +165,23 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         analysis.main(["--tracking-uri", f"sqlite:///{tmp_path}/none.db"])
     assert info.value.code == f"error: no MLflow store at sqlite:///{tmp_path}/none.db"
     assert not (tmp_path / "none.db").exists()
+
+
+def test_memory_table_per_regime(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    for regime, act, speed in (("bs16a1", 8.0, 800.0), ("bs1a16", 0.5, 300.0), ("bs4a4", 2.0, 500.0)):
+        for seed, rss in ((1, 900.0), (2, 1000.0)):
+            add_run(client, experiment_id, "gn4", regime, seed, (0.9, 0.9, 0.9),
+                    summary={"activation_mb": act, "samples_per_sec": speed * seed, "wall_seconds": 10.0 * seed,
+                             "peak_rss_mb": rss})
+    collected = collect(client, "gaexp")
+    memory = analysis.memory_table(collected.runs)
+    assert list(memory.index) == ["bs1a16", "bs4a4", "bs16a1"]
+    assert memory.loc["bs1a16", "activation_vs_bs16a1"] == 0.5 / 8.0
+    assert memory.loc["bs4a4", ["micro_batch", "effective_batch", "runs"]].tolist() == [4, 16, 2]
+    assert memory.loc["bs1a16", "samples_per_sec"] == 450.0 and memory.loc["bs16a1", "peak_rss_mb"] == 1000.0
+    assert "cuda_max_mem_mb" not in memory.columns  # never logged on the CPU
+    analysis.export(collected, summarize(collected.data), tmp_path / "r")
+    assert "| bs1a16 | 1 | 16 | 2 | 0.062 | 0.50 | 450 | 15 | 1000 |" in (tmp_path / "r" / "table.md").read_text()

@@ -10,16 +10,19 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from gaexp.app import CONFIG_DIR, run_cell
+from gaexp.app import CONFIG_DIR, run_cell, threads_for
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
+def cell_config(tmp_path, data_root, *overrides):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=["norm=gn16", "regime=bs4a4", "train.num_iterations=3",
-                                           "train.eval_period=2", f"paths.outputs={tmp_path}",
-                                           f"data.root={data_root}", "data.sources=[local]", "device=cpu"])
+        return compose("config", overrides=[f"paths.outputs={tmp_path}", f"data.root={data_root}",
+                                            "data.sources=[local]", "device=cpu", *overrides])
+
+
+def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
+    cfg = cell_config(tmp_path, data_root, "norm=gn16", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=2")
     accuracy = run_cell(cfg, sweep_id="test")
     client = MlflowClient(cfg.mlflow.tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
@@ -28,6 +31,15 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "valid_acc")] == [2, 3]
     assert run.data.params["regime.batch_size"] == "4" and run.data.params["train.num_iterations"] == "3"
     assert run.data.params["mlflow.tracking_uri"] == f"sqlite:///{tmp_path}/mlflow.db"
+    assert 0 < run.data.metrics["peak_rss_mb"] < 1536  # under 1.5 GiB
+    assert run.data.metrics["activation_mb"] == pytest.approx(1.9116, rel=1e-3)  # GroupNorm(16), 4 images: ~0.48 MiB each
+
+
+def test_compiled_model_trains_like_the_eager_one(tmp_path, data_root):
+    overrides = ["norm=gn4", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=3"]
+    eager = run_cell(cell_config(tmp_path / "eager", data_root, *overrides), sweep_id="eager")
+    compiled = run_cell(cell_config(tmp_path / "compiled", data_root, *overrides, "compile=true"), sweep_id="compiled")
+    assert compiled == pytest.approx(eager, abs=2e-3)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +72,9 @@ def test_sweep_histories_and_summaries(sweep):
         assert [m.step for m in history] == [2, 4]
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [2, 4]
         assert run.data.metrics["final_valid_acc"] == history[-1].value
-        assert {"best_valid_acc", "wall_seconds", "samples_per_sec"} <= set(run.data.metrics)
+        assert {"best_valid_acc", "wall_seconds", "samples_per_sec", "peak_rss_mb"} <= set(run.data.metrics)
+    ratio = runs["bn-bs1a16-s1"].data.metrics["activation_mb"] / runs["bn-bs16a1-s1"].data.metrics["activation_mb"]
+    assert abs(ratio - 1 / 16) < 0.005  # what accumulation saves
 
 
 def test_accumulation_matches_the_true_batch_end_to_end(sweep):
@@ -110,3 +124,13 @@ def test_report_cli_on_the_real_sweep(sweep, tmp_path):
     bad = subprocess.run([*cli, "--sweep", "nope"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: no sweep 'nope'")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_threads_auto_fills_the_cores_across_parallel_jobs():
+    assert threads_for("auto", None, cores=8) == 0  # cells one by one: torch's default
+    assert threads_for("auto", 2, cores=8) == 4
+    assert threads_for("auto", -1, cores=8) == 1  # joblib's default: one job per core
+    assert threads_for("auto", -2, cores=8) == 1 and threads_for("auto", 16, cores=8) == 1
+    assert threads_for(3, 2, cores=8) == 3
+    with pytest.raises(ValueError, match=r"threads='many'; valid: auto or an integer >= 0"):
+        threads_for("many", None)

@@ -27,7 +27,7 @@ def test_defaults_are_the_spec_protocol(tmp_path, monkeypatch):
     cfg = compose_cfg()
     assert (cfg.norm.name, cfg.regime.batch_size, cfg.regime.num_accum, cfg.seed) == ("bn", 16, 1, 1)
     assert (cfg.train.num_iterations, cfg.train.eval_period, cfg.train.lr, cfg.train.loss_window) == (3600, 300, 1e-3, 100)
-    assert cfg.device == "auto"
+    assert (cfg.device, cfg.threads, cfg.compile) == ("auto", "auto", False)
     # every path is absolute and under outputs/ of the launch folder
     assert cfg.data.root == str(tmp_path / "outputs" / "data")
     assert cfg.mlflow.tracking_uri == f"sqlite:///{tmp_path}/outputs/mlflow.db"

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gaexp.data import to_input
+from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
+from gaexp.model import SimpleModel
+
+
+def test_activation_bytes_of_a_linear_layer_by_hand():
+    """Linear saves its input; cross-entropy saves log-probabilities, the target and a scalar weight."""
+    x, y = torch.rand(5, 4), torch.zeros(5, dtype=torch.long)
+    expected = 5 * 4 * 4 + 5 * 3 * 4 + 5 * 8 + 4  # input, log_softmax output (float32), target (int64), total_weight
+    assert activation_bytes(nn.Linear(4, 3), x, y) == expected
+
+
+def test_activation_memory_scales_with_the_micro_batch(train_split):
+    model = SimpleModel("bn").to(memory_format=torch.channels_last)
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    sizes = {b: activation_bytes(model, to_input(train_split.images[:b]), train_split.labels[:b]) for b in (1, 4, 16)}
+    assert 450_000 < sizes[1] < 600_000  # about 0.5 MB of activations per image
+    assert abs(sizes[16] / sizes[1] - 16) < 0.5 and abs(sizes[4] / sizes[1] - 4) < 0.2
+    assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())  # measured on a copy
+
+
+def test_peak_rss_is_reset_and_read():
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert peak_rss_bytes() >= before + 60 * 2**20
+    del block
