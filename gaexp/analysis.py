@@ -24,6 +24,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from gaexp.tracking import sweeps_of  # noqa: E402
+
 NORM_ORDER = ["bn", "in", "gn4", "gn16", "none"]
 REGIME_ORDER = ["bs1a1", "bs1a16", "bs4a4", "bs16a1"]
 TABLE_COLUMNS = ["bs16a1", "bs1a16", "bs4a4"]  # effective batch 16; bs1a1 is the reference curve
@@ -70,13 +72,14 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
             if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE]
     if not runs:
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
-    sweeps = {r.data.tags.get("sweep_id", "") for r in runs}
-    if sweep == "latest":
-        sweep = max(runs, key=lambda r: r.info.start_time).data.tags.get("sweep_id", "")
+    sweeps = {s for r in runs for s in sweeps_of(r)}
+    if sweep == "latest":  # the newest sweep that ran a run, or resumed over finished ones
+        newest = max(runs, key=lambda r: r.info.start_time)
+        sweep = max(sweeps, key=lambda s: (s >= newest.data.tags.get("sweep_id", ""), s))
     elif sweep != "all" and sweep not in sweeps:
         raise AnalysisError(f"no sweep {sweep!r} in experiment {experiment_name!r}; there: {sorted(sweeps)}")
     if sweep != "all":
-        runs = [r for r in runs if r.data.tags.get("sweep_id") == sweep]
+        runs = [r for r in runs if sweep in sweeps_of(r)]
 
     rows, excluded, run_rows = [], [], []
     for run in runs:

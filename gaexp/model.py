@@ -12,12 +12,12 @@ NUM_CLASSES = 10
 
 
 class SimpleModel(nn.Module):
-    def __init__(self, norm: str) -> None:
+    def __init__(self, norm: str, **norm_options: int) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c_in = 1
         for i, c_out in enumerate(CHANNELS):
-            layers += [nn.Conv2d(c_in, c_out, 3, padding=1), norm2d(norm, c_out), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(c_in, c_out, 3, padding=1), norm2d(norm, c_out, **norm_options), nn.ReLU(inplace=True)]
             if i < len(CHANNELS) - 1:
                 layers.append(nn.MaxPool2d(2))  # 28 -> 14 -> 7 -> 3
             c_in = c_out

@@ -6,23 +6,47 @@ process-wide tracking URI or active-run stack.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import socket
 import time
 import traceback
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gaexp.train import EvalPoint
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+# Config keys that never change a run's result: left out of its protocol key, so resuming ignores them.
+NOT_PROTOCOL = ("paths", "data", "mlflow", "progress", "threads", "compile", "rerun")
+HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
+SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
 
 
 def is_remote(tracking_uri: str) -> bool:
     return tracking_uri.startswith(("http://", "https://", "databricks"))
+
+
+def check_tracking_uri(tracking_uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, naming the URI, on a store gaexp cannot use or a server that does not answer."""
+    if tracking_uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout) as response:
+                response.read()
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConnectionError(f"MLflow tracking server {tracking_uri} unreachable: {reason}") from None
+    elif not tracking_uri.startswith(("sqlite:///", "databricks")):
+        raise ValueError(f"mlflow.tracking_uri={tracking_uri!r}; valid: sqlite:///ABSOLUTE/PATH.db or "
+                         "http(s)://HOST:PORT (MLflow's plain file store is refused since 3.13)")
 
 
 def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: str | None) -> str:
@@ -62,10 +86,69 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def protocol_key(resolved: Mapping[str, Any]) -> str:
+    """A stable digest of everything that can change a run's result (see NOT_PROTOCOL)."""
+    kept = {k: v for k, v in resolved.items() if k not in NOT_PROTOCOL}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def find_finished(client: MlflowClient, experiment_id: str, key: str) -> Run | None:
+    """A FINISHED run of the same protocol, if any (the oldest one)."""
+    runs = client.search_runs([experiment_id], f"tags.protocol_key = '{key}' and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time ASC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def sweeps_of(run: Run) -> list[str]:
+    tags = run.data.tags
+    return tags[SWEEPS].split(",") if SWEEPS in tags else [tags.get("sweep_id", "")]
+
+
+def add_to_sweep(client: MlflowClient, run: Run, sweep_id: str) -> None:
+    """Count a FINISHED run, skipped on resume, as part of `sweep_id` too (its own sweep_id stays)."""
+    sweeps = sweeps_of(run)
+    if sweep_id not in sweeps:
+        client.set_tag(run.info.run_id, SWEEPS, ",".join([*sweeps, sweep_id]))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: float) -> list[str]:
+    """Mark RUNNING runs whose process is gone KILLED, so nobody reads them as results.
+
+    A run is stale when its process on this host no longer exists, or when its
+    heartbeat (refreshed at each evaluation) is older than `stale_after_s`.
+    """
+    marked = []
+    for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=50_000):
+        tags = run.data.tags
+        host, _, pid = tags.get(HOST, ":").rpartition(":")
+        beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
+        if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+            reason = f"process {pid} on {host} is gone"
+        elif time.time() - beat > stale_after_s:
+            reason = f"no heartbeat for {time.time() - beat:.0f} s"
+        else:
+            continue
+        client.set_tag(run.info.run_id, "gaexp.killed_reason", reason)
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        marked.append(f"{run.info.run_name} ({reason})")
+    return marked
+
+
 @contextmanager
 def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
                 tags: Mapping[str, Any]) -> Iterator[str]:
     """A run that always ends: FINISHED, KILLED on Ctrl-C, FAILED with the error as tags."""
+    tags = {**tags, HOST: f"{socket.gethostname()}:{os.getpid()}", HEARTBEAT: f"{time.time():.0f}"}
     run_id = client.create_run(experiment_id, run_name=run_name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id
     try:
@@ -88,12 +171,12 @@ def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> 
 
 
 def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
-    """One batch per evaluation: the metric histories, with step = optimizer step."""
+    """One batch per evaluation: the metric histories, with step = optimizer step, and the heartbeat."""
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[
         Metric("valid_acc", point.valid_acc, now, point.step),
         Metric("train_loss", point.train_loss, now, point.step),
-    ])
+    ], tags=[RunTag(HEARTBEAT, f"{now / 1000:.0f}")])
 
 
 def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wall_seconds: float,

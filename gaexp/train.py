@@ -29,6 +29,14 @@ class EvalPoint:
     samples_per_sec: float  # training samples per second so far (evaluations excluded)
 
 
+class DivergedError(FloatingPointError):
+    """The training loss became non-finite."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"non-finite training loss ({loss}) at optimizer step {step}")
+        self.step = step
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present; asking for CUDA without one is an error."""
     if name == "auto":
@@ -73,12 +81,14 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, *, batch
           num_accum: int, num_iterations: int, eval_period: int, lr: float, seed: int,
           loss_window: int = 100, eval_batch_size: int = 256,
           on_eval: Callable[[EvalPoint], None] = lambda point: None,
-          progress: bool | None = None, desc: str = "") -> list[EvalPoint]:
+          progress: bool | None = None, desc: str = "", check_every: int = 1) -> list[EvalPoint]:
     """Adam on `num_iterations` optimizer steps of `num_accum` micro-batches of `batch_size`.
 
     Evaluates every `eval_period` steps and at the last step. `progress=None`
     shows a bar only when stderr is a terminal; otherwise one log line per
-    evaluation.
+    evaluation. Every `check_every` steps (each one on the CPU, where the
+    check costs nothing) the step losses are checked: the first non-finite
+    one raises DivergedError naming its step.
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     batches = micro_batch_indices(len(train_data.labels), batch_size, seed, train_data.labels.device)
@@ -86,14 +96,21 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, *, batch
     show_bar = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=num_iterations, desc=desc, disable=not show_bar, dynamic_ncols=True, leave=False)
     history: list[EvalPoint] = []
-    train_seconds, tic = 0.0, time.perf_counter()
+    train_seconds, tic, checked = 0.0, time.perf_counter(), 0
     model.train()
     for step in range(1, num_iterations + 1):
         step_losses[step - 1] = accumulate(model, train_data, batches, num_accum)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update()
-        if step % eval_period == 0 or step == num_iterations:
+        evaluating = step % eval_period == 0 or step == num_iterations
+        if evaluating or step % check_every == 0:
+            bad = (~torch.isfinite(step_losses[checked:step])).nonzero()
+            if len(bad):
+                bar.close()
+                raise DivergedError(checked + int(bad[0]) + 1, step_losses[checked + int(bad[0])].item())
+            checked = step
+        if evaluating:
             train_loss = step_losses[max(0, step - loss_window):step].mean().item()
             train_seconds += time.perf_counter() - tic
             samples_per_sec = step * batch_size * num_accum / train_seconds

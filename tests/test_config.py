@@ -8,12 +8,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from gaexp.app import CONFIG_DIR
-from gaexp.config import regime_name
+from gaexp.config import norm_options, regime_name
 from gaexp.model import SimpleModel
 from gaexp.norms import NORMS
 from gaexp.train import train
 
-NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none"]
+NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn"]
 REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
 
 
@@ -44,7 +44,7 @@ def test_every_cell_composes_and_trains(norm, regime, train_split, small_valid):
     assert (cfg.regime.batch_size, cfg.regime.num_accum) == REGIMES[regime]
     assert regime_name(cfg.regime.batch_size, cfg.regime.num_accum) == regime
     torch.manual_seed(cfg.seed)
-    history = train(SimpleModel(cfg.norm.name).to(memory_format=torch.channels_last), train_split, small_valid,
+    history = train(SimpleModel(cfg.norm.name, **norm_options(cfg.norm)).to(memory_format=torch.channels_last), train_split, small_valid,
                     batch_size=cfg.regime.batch_size, num_accum=cfg.regime.num_accum,
                     num_iterations=cfg.train.num_iterations, eval_period=cfg.train.eval_period,
                     lr=cfg.train.lr, seed=cfg.seed, progress=False)

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -58,3 +61,40 @@ def test_histories_params_and_summary(store):
 
 def test_flatten():
     assert tracking.flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None}) == {"a.b": 1, "a.c.d": [1, 2], "e": None}
+
+
+def test_protocol_key_ignores_what_cannot_change_a_result():
+    base = {"norm": {"name": "bn"}, "regime": {"batch_size": 1, "num_accum": 16}, "seed": 1, "train": {"lr": 0.001},
+            "device": "auto", "paths": {"outputs": "/a"}, "mlflow": {"tracking_uri": "sqlite:////a/m.db"},
+            "progress": None, "threads": "auto", "compile": False, "rerun": False, "data": {"root": "/a/data"}}
+    key = tracking.protocol_key(base)
+    moved = {**base, "paths": {"outputs": "/b"}, "mlflow": {"tracking_uri": "http://h:5000"}, "threads": 1,
+             "progress": True, "rerun": True, "data": {"root": "/b/data"}}
+    assert tracking.protocol_key(moved) == key and len(key) == 16
+    assert tracking.protocol_key({**base, "seed": 2}) != key
+    assert tracking.protocol_key({**base, "train": {"lr": 0.01}}) != key
+
+
+def test_stale_running_runs_are_marked_killed(store):
+    client, experiment_id, _ = store
+    with tracking.tracked_run(client, experiment_id, "alive", {}) as alive:
+        dead = client.create_run(experiment_id, run_name="dead", tags={tracking.HOST: f"{socket.gethostname()}:999999",
+                                                                        tracking.HEARTBEAT: f"{time.time():.0f}"})
+        silent = client.create_run(experiment_id, run_name="silent", tags={tracking.HOST: "elsewhere:1",
+                                                                            tracking.HEARTBEAT: f"{time.time() - 7200:.0f}"})
+        marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600)
+        assert sorted(marked) == ["dead (process 999999 on %s is gone)" % socket.gethostname(),
+                                  "silent (no heartbeat for 7200 s)"]
+        assert client.get_run(alive).info.status == "RUNNING"  # this very process: alive
+    assert client.get_run(dead.info.run_id).info.status == "KILLED"
+    assert client.get_run(silent.info.run_id).data.tags["gaexp.killed_reason"] == "no heartbeat for 7200 s"
+
+
+def test_a_resumed_sweep_claims_the_runs_it_skipped(store):
+    client, experiment_id, _ = store
+    with tracking.tracked_run(client, experiment_id, "r", {"sweep_id": "s1", tracking.SWEEPS: "s1"}) as run_id:
+        pass
+    tracking.add_to_sweep(client, client.get_run(run_id), "s2")
+    tracking.add_to_sweep(client, client.get_run(run_id), "s2")
+    run = client.get_run(run_id)
+    assert tracking.sweeps_of(run) == ["s1", "s2"] and run.data.tags["sweep_id"] == "s1"

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from gaexp.data import micro_batch_indices, to_input
 from gaexp.model import SimpleModel
-from gaexp.train import accumulate, evaluate, resolve_device, train
+from gaexp.train import DivergedError, accumulate, evaluate, resolve_device, train
 
 
 def model_for(norm: str, seed: int = 1) -> SimpleModel:
@@ -106,3 +106,14 @@ def test_device_choice():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda' but"):
             resolve_device("cuda")
+
+
+def test_a_non_finite_loss_stops_training_at_its_step(train_split, small_valid):
+    with pytest.raises(DivergedError, match=r"non-finite training loss \(nan\) at optimizer step 2") as info:
+        train(model_for("gn4"), train_split, small_valid, batch_size=4, num_accum=2, num_iterations=50,
+              eval_period=25, lr=1e30, seed=1, progress=False)
+    assert info.value.step == 2
+    with pytest.raises(DivergedError) as info:  # checked every 10 steps (as on a GPU): still the exact step
+        train(model_for("gn4"), train_split, small_valid, batch_size=4, num_accum=2, num_iterations=50,
+              eval_period=25, lr=1e30, seed=1, progress=False, check_every=10)
+    assert info.value.step == 2
