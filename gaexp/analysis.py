@@ -55,7 +55,7 @@ def _order(values: Sequence[str], preferred: Sequence[str]) -> list[str]:
 
 
 def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -> Collected:
-    """Runs and their metric histories; `sweep` is 'latest', 'all' or a sweep id.
+    """Runs and their metric histories; `sweep` is 'latest', 'all', a sweep id or several, comma-separated.
 
     FINISHED runs are the data; FAILED, KILLED and still RUNNING ones are listed
     in `excluded`, never averaged in.
@@ -76,10 +76,12 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
     if sweep == "latest":  # the newest sweep that ran a run, or resumed over finished ones
         newest = max(runs, key=lambda r: r.info.start_time)
         sweep = max(sweeps, key=lambda s: (s >= newest.data.tags.get("sweep_id", ""), s))
-    elif sweep != "all" and sweep not in sweeps:
-        raise AnalysisError(f"no sweep {sweep!r} in experiment {experiment_name!r}; there: {sorted(sweeps)}")
+    wanted = set(sweep.split(","))  # several sweep ids: one grid run in parts
+    if sweep != "all" and not wanted <= sweeps:
+        unknown = ",".join(sorted(wanted - sweeps))
+        raise AnalysisError(f"no sweep {unknown!r} in experiment {experiment_name!r}; there: {sorted(sweeps)}")
     if sweep != "all":
-        runs = [r for r in runs if sweep in sweeps_of(r)]
+        runs = [r for r in runs if wanted & set(sweeps_of(r))]
 
     rows, excluded, run_rows = [], [], []
     for run in runs:
@@ -223,10 +225,12 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc") -> plt.Figure:
     else:
         axes[0].set_yscale("log")
         label = "train loss (mean of last 100 steps)"
-    for ax in axes:
+    ncols = axes[0].get_subplotspec().get_gridspec().ncols
+    for i, ax in enumerate(axes):
         if ax.get_subplotspec().is_first_col():
             ax.set_ylabel(label)
-        if ax.get_subplotspec().is_last_row() or len(axes) <= 3:
+        if i + ncols >= len(axes):  # no panel below this one: label its x axis
+            ax.xaxis.set_tick_params(labelbottom=True)
             ax.set_xlabel("optimizer step")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right center", title="regime", frameon=False)
@@ -267,7 +271,8 @@ def format_table(summary: Summary) -> str:
                   "| norm | regime | diff | 95% CI | pairs | GA matches true batch? |", "|---|---|---|---|---|---|"]
         for p in summary.paired.itertuples():
             ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
-            verdict = {True: "yes (0 inside)", False: "no", None: "n/a (1 seed)"}[p.matches]
+            verdict = {True: "yes (0 inside)", None: "n/a (1 seed)"}.get(
+                p.matches, "no: worse" if p.diff < 0 else "no: better")
             lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {p.pairs} | {verdict} |")
     if summary.missing:
         lines += ["", "Missing cells: " + "; ".join(summary.missing)]
@@ -318,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="MLflow store: sqlite:///... or http://HOST:PORT (default: %(default)s)")
     parser.add_argument("--experiment", default="gaexp", help="experiment name (default: %(default)s)")
     parser.add_argument("--sweep", default="latest",
-                        help="'latest' (the sweep of the newest run), 'all', or a sweep id (default: %(default)s)")
+                        help="'latest' (the sweep of the newest run), 'all', a sweep id, or several "
+                             "comma-separated (default: %(default)s)")
     parser.add_argument("--window-start", type=int, default=250,
                         help="average evaluations at step > this (default: %(default)s; 2499 for the tail)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<sweep>)")

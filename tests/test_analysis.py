@@ -124,6 +124,7 @@ def test_sweep_selection(store):
     assert collect(client, "gaexp", "latest").data.sweep_id.unique().tolist() == ["sweep-b"]
     assert collect(client, "gaexp", "sweep-a").data.run_id.nunique() == len(HISTORIES)
     assert collect(client, "gaexp", "all").data.run_id.nunique() == len(HISTORIES) + 1
+    assert collect(client, "gaexp", "sweep-a,sweep-b").data.run_id.nunique() == len(HISTORIES) + 1
     with pytest.raises(AnalysisError, match=r"no sweep 'nope' .*\['sweep-a', 'sweep-b'\]"):
         collect(client, "gaexp", "nope")
     with pytest.raises(AnalysisError, match=r"no experiment 'other' .*\['gaexp', 'Default'\]"):
