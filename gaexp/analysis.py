@@ -73,9 +73,10 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
     if not runs:
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
     sweeps = {s for r in runs for s in sweeps_of(r)}
-    if sweep == "latest":  # the newest sweep that ran a run, or resumed over finished ones
-        newest = max(runs, key=lambda r: r.info.start_time)
-        sweep = max(sweeps, key=lambda s: (s >= newest.data.tags.get("sweep_id", ""), s))
+    if sweep == "latest":  # the sweep of the newest run, or a later (timestamp-named) resume that ran nothing
+        newest = max(runs, key=lambda r: r.info.start_time).data.tags.get("sweep_id", "")
+        resumes_only = sweeps - {r.data.tags.get("sweep_id", "") for r in runs}
+        sweep = max([newest, *(s for s in resumes_only if s > newest)])
     wanted = set(sweep.split(","))  # several sweep ids: one grid run in parts
     if sweep != "all" and not wanted <= sweeps:
         unknown = ",".join(sorted(wanted - sweeps))

@@ -144,7 +144,8 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, n_jo
     assert len(train_data.labels) == NUM_TRAIN
 
     tags = {"norm": cfg.norm.name, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k,
-            "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key, "device": device.type, "threads": torch.get_num_threads()}
+            "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key,
+            "device": device.type, "threads": torch.get_num_threads()}
     with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
         tracking.log_params(client, run_id, resolved)
         with tempfile.TemporaryDirectory() as tmp:

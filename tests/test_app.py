@@ -31,7 +31,7 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "valid_acc")] == [2, 3]
     assert run.data.params["regime.batch_size"] == "4" and run.data.params["train.num_iterations"] == "3"
     assert run.data.params["mlflow.tracking_uri"] == f"sqlite:///{tmp_path}/mlflow.db"
-    assert 0 < run.data.metrics["peak_rss_mb"] < 1536  # under 1.5 GiB
+    assert run.data.metrics["peak_rss_mb"] > 0  # the bound is checked in the sweep's own process below
     assert run.data.metrics["activation_mb"] == pytest.approx(1.9116, rel=1e-3)  # GroupNorm(16), 4 images: ~0.48 MiB each
 
 
@@ -73,6 +73,7 @@ def test_sweep_histories_and_summaries(sweep):
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [2, 4]
         assert run.data.metrics["final_valid_acc"] == history[-1].value
         assert {"best_valid_acc", "wall_seconds", "samples_per_sec", "peak_rss_mb"} <= set(run.data.metrics)
+        assert run.data.metrics["peak_rss_mb"] < 1536  # a cell under 1.5 GiB
     ratio = runs["bn-bs1a16-s1"].data.metrics["activation_mb"] / runs["bn-bs16a1-s1"].data.metrics["activation_mb"]
     assert abs(ratio - 1 / 16) < 0.005  # what accumulation saves
 
