@@ -8,8 +8,9 @@ TORCH         ?= torch==2.14.1 torchvision==0.29.1
 JOBS          ?= $(shell nproc 2>/dev/null || echo 2)
 GRID          := norm=bn,in,gn4,gn16,none regime=bs1a1,bs1a16,bs4a4,bs16a1 seed=1,2,3
 PORT          ?= 5000
+HOST          ?= 127.0.0.1
 
-.PHONY: setup data sweep test ui clean
+.PHONY: setup data sweep test ui server clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_SYSTEM) -m venv $(VENV)
@@ -24,13 +25,18 @@ data: setup   ## MNIST under outputs/data: local files, else torchvision's downl
 	$(PYTHON) -m gaexp.data --root outputs/data
 
 sweep: data   ## the full 60-run grid, JOBS cells at a time (threads=auto: cores / JOBS torch threads each)
-	$(PYTHON) -m gaexp -m $(GRID) hydra/launcher=joblib hydra.launcher.n_jobs=$(JOBS)
+	$(PYTHON) -m gaexp -m $(GRID) launch=joblib hydra.launcher.n_jobs=$(JOBS)
 
 test: data
 	$(PYTHON) -m pytest -q
 
 ui:           ## browse every run at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --host 127.0.0.1 --port $(PORT)
+
+server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines (README, "Cluster")
+	mkdir -p outputs/server
+	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/outputs/server/mlflow.db \
+	    --artifacts-destination $(CURDIR)/outputs/server/artifacts --host $(HOST) --port $(PORT)
 
 clean:        ## everything generated (runs, store, data); keeps .venv
 	rm -rf outputs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from gaexp import analysis, tracking
-from gaexp.config import norm_options, regime_name, validate
+from gaexp.config import norm_options, regime_name, usable_cores, validate
 from gaexp.data import NUM_TRAIN, ensure_mnist, load_split, to_input
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
@@ -61,6 +60,22 @@ class PrepareCallback(Callback):
             prepare_sweep(config)
         except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
             raise SystemExit(f"error: {e}") from None
+        for warning in launcher_warnings(config):
+            log.warning(warning)
+
+
+def launcher_warnings(config: DictConfig) -> list[str]:
+    """Launcher settings that work but hurt: unbounded local jobs, SQLite shared by cluster nodes."""
+    target = config.hydra.launcher.get("_target_", "")
+    warnings = []
+    if target.endswith("submitit_launcher.LocalLauncher") and not config.hydra.sweeper.get("max_batch_size"):
+        warnings.append("submitit_local starts every cell at once; bound it with launch=local "
+                        "or hydra.sweeper.max_batch_size=N")
+    if target.endswith("submitit_launcher.SlurmLauncher") and config.mlflow.tracking_uri.startswith("sqlite:"):
+        warnings.append(f"cluster jobs writing to {config.mlflow.tracking_uri}: SQLite on a shared file system "
+                        "locks and can corrupt; start an MLflow server and set mlflow.tracking_uri=http://HOST:PORT "
+                        "(README, 'Cluster')")
+    return warnings
 
 
 FAILED_MARKER = "FAILED.txt"  # written into a job's folder when its cell fails inside a multirun
@@ -104,6 +119,24 @@ class ReportCallback(Callback):
                  analysis.format_table(summary))
 
 
+def cells_at_once(launcher: DictConfig, sweeper: DictConfig) -> int | None:
+    """How many cells share this process's CPUs under the launcher in use (None: one at a time).
+
+    joblib: n_jobs. submitit_local: the sweeper's batch size (unbounded: as many as
+    cores). SLURM: 1, each task has its own CPUs. Ray: cores / CPUs per cell.
+    """
+    target = launcher.get("_target_", "")
+    if "n_jobs" in launcher:
+        return launcher.n_jobs
+    if target.endswith("SlurmLauncher"):
+        return 1
+    if target.endswith("LocalLauncher"):
+        return sweeper.get("max_batch_size") or -1
+    if target.endswith("RayLauncher"):
+        return max(1, usable_cores() // launcher.ray.remote.get("num_cpus", 1))
+    return None
+
+
 def threads_for(setting: int | str, n_jobs: int | None, cores: int | None = None) -> int:
     """torch threads per run: `auto` makes jobs x threads = cores (0 keeps torch's default)."""
     if setting != "auto":
@@ -112,7 +145,7 @@ def threads_for(setting: int | str, n_jobs: int | None, cores: int | None = None
         return setting
     if not n_jobs:
         return 0  # one cell at a time: torch's default uses every core
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     jobs = n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)  # joblib: -1 = all cores, -2 = all but one
     return max(1, cores // jobs)
 
@@ -189,7 +222,7 @@ def main(cfg: DictConfig) -> float:
         return run_cell(cfg, sweep_id=Path(hc.run.dir).name, hydra_dir=output_dir / hc.output_subdir)
     try:
         return run_cell(cfg, sweep_id=Path(hc.sweep.dir).name, hydra_dir=output_dir / hc.output_subdir,
-                        n_jobs=hc.launcher.get("n_jobs"))
+                        n_jobs=cells_at_once(hc.launcher, hc.sweeper))
     except Exception as e:  # noqa: BLE001 - one failed cell must not stop the others; FailuresCallback reports it
         log.exception("cell %s failed", hc.job.override_dirname)
         (output_dir / FAILED_MARKER).write_text(f"{type(e).__name__}: {e}")

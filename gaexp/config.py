@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity mask (what SLURM or taskset grants), not the whole machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def register_resolvers() -> None:
-    """`${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder."""
+    """`${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
+    `${gaexp.cores:}`: the CPUs this process may use (conf/launch/ sizes parallel cells with it)."""
     OmegaConf.register_new_resolver("gaexp.abspath", lambda p: str(Path(p).expanduser().resolve()), replace=True)
+    OmegaConf.register_new_resolver("gaexp.cores", usable_cores, replace=True)
 
 
 def regime_name(batch_size: int, num_accum: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,13 @@ def valid_split(data_root: Path) -> Split:
 def small_valid(valid_split: Split) -> Split:
     """The first 500 test images: enough to check evaluation, cheap enough to run often."""
     return Split(valid_split.images[:500], valid_split.labels[:500])
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A function returning a TCP port nobody listens on at 127.0.0.1 (for servers the tests start or expect absent)."""
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return pick

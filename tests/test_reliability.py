@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -133,12 +132,6 @@ def cfg_for(tmp_path, data_root, *overrides):
                                             "data.sources=[local]", *TINY[:3], *overrides])
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 BAD = {
     "batch size": (["regime.batch_size=0"], ValueError, r"regime.batch_size=0; valid: an integer >= 1"),
     "accumulation": (["regime.num_accum=-2"], ValueError, r"regime.num_accum=-2; valid: an integer >= 1"),
@@ -169,7 +162,7 @@ def test_cuda_asked_for_without_one(store, data_root):
     assert snapshot() == before
 
 
-def test_unreachable_tracking_server_fails_fast_naming_it(store, data_root):
+def test_unreachable_tracking_server_fails_fast_naming_it(store, data_root, free_port):
     tmp_path, snapshot, before = store
     uri = f"http://127.0.0.1:{free_port()}"
     tic = time.perf_counter()
