@@ -26,13 +26,15 @@ from scipy import stats  # noqa: E402
 
 from gaexp.tracking import sweeps_of  # noqa: E402
 
-NORM_ORDER = ["bn", "in", "gn4", "gn16", "none"]
+NORM_ORDER = ["bn", "in", "gn4", "gn16", "none", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
 REGIME_ORDER = ["bs1a1", "bs1a16", "bs4a4", "bs16a1"]
 TABLE_COLUMNS = ["bs16a1", "bs1a16", "bs4a4"]  # effective batch 16; bs1a1 is the reference curve
 REFERENCE = "bs16a1"
 PROTOCOL = ["num_iterations", "eval_period", "lr", "loss_window"]  # runs differing here never mix
 TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
         "step", "valid_acc", "train_loss"]
+RANKED_REGIME = "bs1a16"  # the regime the remedies must rescue: micro-batch 1, 16 accumulation steps
+BASELINES = [("bn", "bs16a1"), ("in", "bs1a16")]  # the true batch BatchNorm was made for; the best batch-free norm
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
 RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds"]
 
@@ -145,6 +147,30 @@ class Summary:
     paired: pd.DataFrame  # per norm and GA regime: paired (same seed) difference to bs16a1, 95% CI
     missing: list[str]  # cells with fewer seeds than the fullest cell, or none at all
     window_start: int
+    ranking: pd.DataFrame  # norms on RANKED_REGIME, best first, paired differences to each of BASELINES
+
+
+def rank(per_run: pd.Series, regime: str = RANKED_REGIME) -> pd.DataFrame:
+    """Every norm run on `regime`, best mean first, with its paired (same-seed) difference and 95%
+    t-interval to each baseline cell present. `per_run`: windowed mean per (norm, regime, seed)."""
+    rows = []
+    for norm in _order(per_run.index.get_level_values("norm").unique(), NORM_ORDER):
+        if (norm, regime) not in per_run.index:
+            continue
+        acc = per_run[norm, regime]
+        row = {"norm": norm, "mean": float(acc.mean()), "seeds": len(acc)}
+        for b_norm, b_regime in BASELINES:
+            name = f"{b_norm}/{b_regime}"
+            diff = (acc - per_run[b_norm, b_regime]).dropna() if (b_norm, b_regime) in per_run.index else acc[[]]
+            mean, low, high = t_interval(diff) if len(diff) else (np.nan, np.nan, np.nan)
+            row |= {f"vs {name}": mean, f"vs {name} low": low, f"vs {name} high": high}
+        rows.append(row)
+    ranking = pd.DataFrame(rows)
+    if ranking.empty:
+        return ranking
+    ranking = ranking.sort_values("mean", ascending=False, kind="stable").reset_index(drop=True)
+    ranking.insert(0, "rank", range(1, len(ranking) + 1))
+    return ranking
 
 
 def summarize(data: pd.DataFrame, window_start: int = 250) -> Summary:
@@ -188,7 +214,7 @@ def summarize(data: pd.DataFrame, window_start: int = 250) -> Summary:
     seeds = per_run.groupby(["norm", "regime"]).size()
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
-    return Summary(table, cells, paired, missing, window_start)
+    return Summary(table, cells, paired, missing, window_start, rank(per_run))
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -275,15 +301,37 @@ def format_table(summary: Summary) -> str:
             verdict = {True: "yes (0 inside)", None: "n/a (1 seed)"}.get(
                 p.matches, "no: worse" if p.diff < 0 else "no: better")
             lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {p.pairs} | {verdict} |")
+    if len(summary.ranking) > 1:
+        lines += ["", format_ranking(summary.ranking)]
     if summary.missing:
         lines += ["", "Missing cells: " + "; ".join(summary.missing)]
     return "\n".join(lines) + "\n"
 
 
+def format_ranking(ranking: pd.DataFrame) -> str:
+    """The ranking on RANKED_REGIME as Markdown: mean, then each paired difference with its interval."""
+    def diff(row: pd.Series, name: str) -> str:
+        mean, low, high = row[f"vs {name}"], row[f"vs {name} low"], row[f"vs {name} high"]
+        if pd.isna(mean):
+            return "–"
+        return f"{100 * mean:+.2f}" + ("" if pd.isna(low) else f" [{100 * low:+.2f}, {100 * high:+.2f}]")
+
+    names = [f"{n}/{r}" for n, r in BASELINES]
+    lines = [f"Ranking on {RANKED_REGIME}: mean valid accuracy %, and the paired (same seed) difference in points "
+             "to each baseline with its 95% t-interval", "",
+             "| rank | norm | " + RANKED_REGIME + " % | seeds | " + " | ".join(f"vs {n}" for n in names) + " |",
+             "|" + "---|" * (4 + len(names))]
+    for _, row in ranking.iterrows():
+        lines.append(f"| {row['rank']} | {row.norm} | {100 * row['mean']:.2f} | {row.seeds} | "
+                     + " | ".join(diff(row, n) for n in names) + " |")
+    return "\n".join(lines)
+
+
 def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     """Write tables, figures and the tidy data under `out`; return the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / "table.md", out / "table.csv", out / "cells.csv", out / "paired.csv", out / "runs.csv"]
+    written = [out / "table.md", out / "table.csv", out / "cells.csv", out / "paired.csv", out / "runs.csv",
+               out / "ranking.csv"]
     text = format_table(summary)
     if collected.runs is not None and collected.runs.activation_mb.notna().any():
         memory = memory_table(collected.runs)
@@ -298,6 +346,7 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     summary.cells.to_csv(written[2])
     summary.paired.to_csv(written[3], index=False)
     collected.data.to_csv(written[4], index=False)
+    summary.ranking.to_csv(written[5], index=False)
     for metric, stem in (("valid_acc", "curves"), ("train_loss", "train_loss")):
         fig = plot_curves(collected.data, metric)
         for suffix in (".png", ".pdf"):

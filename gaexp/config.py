@@ -20,9 +20,11 @@ def usable_cores() -> int:
 
 def register_resolvers() -> None:
     """`${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
-    `${gaexp.cores:}`: the CPUs this process may use (conf/launch/ sizes parallel cells with it)."""
+    `${gaexp.cores:}`: the CPUs this process may use (conf/launch/ sizes parallel cells with it).
+    `${gaexp.mul:a,b}`: a product (the effective batch size b x k)."""
     OmegaConf.register_new_resolver("gaexp.abspath", lambda p: str(Path(p).expanduser().resolve()), replace=True)
     OmegaConf.register_new_resolver("gaexp.cores", usable_cores, replace=True)
+    OmegaConf.register_new_resolver("gaexp.mul", lambda *xs: math.prod(xs), replace=True)
 
 
 def regime_name(batch_size: int, num_accum: int) -> str:
@@ -38,7 +40,7 @@ def norm_options(norm_cfg: Mapping[str, Any]) -> dict[str, Any]:
 def validate(cfg: Mapping[str, Any]) -> None:
     """Reject bad input before anything runs or is recorded; each message names the value and what is valid."""
     from gaexp.model import CHANNELS
-    from gaexp.norms import NORMS, check_groups
+    from gaexp.norms import NORMS, check_groups, check_options
 
     positive = {"regime.batch_size": cfg["regime"]["batch_size"], "regime.num_accum": cfg["regime"]["num_accum"],
                 **{f"train.{k}": cfg["train"][k] for k in ("num_iterations", "eval_period", "loss_window",
@@ -52,6 +54,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
     name = cfg["norm"]["name"]
     if name not in NORMS:
         raise ValueError(f"norm.name={name!r}; valid: {sorted(NORMS)}")
+    check_options(name, norm_options(cfg["norm"]))
     if "groups" in cfg["norm"]:
         check_groups(cfg["norm"]["groups"], CHANNELS)
     if cfg["device"] not in ("auto", "cpu", "cuda"):

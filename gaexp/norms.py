@@ -1,10 +1,137 @@
-"""The one registry mapping a `norm` config name to a layer constructor (pycls's norm2d)."""
+"""The one registry mapping a `norm` config name to a layer constructor (pycls's norm2d).
+
+The first five are SPEC.md's layers with PyTorch's defaults. The rest are
+BatchNorm remedies and batch-free alternatives that slot into the same grid;
+each differs from BatchNorm only in where its statistics come from.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import math
+from typing import Any, Callable, Iterable, Mapping
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def kmom(momentum: float, num_accum: int) -> float:
+    """Per-micro-batch momentum m' with (1 - m')^k = 1 - m: k micro-batch updates decay the running
+    statistics as much as one update per optimizer step does."""
+    return 1.0 - (1.0 - momentum) ** (1.0 / num_accum)
+
+
+class PreciseBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose running statistics are replaced, before each evaluation, by the exact population
+    statistics of training images passed in batches of `stats_batch_size` (see `precise_statistics`)."""
+
+    def __init__(self, channels: int, stats_batch_size: int, stats_samples: int) -> None:
+        super().__init__(channels)
+        self.stats_batch_size, self.stats_samples = stats_batch_size, stats_samples
+
+
+class MicroBatchEvalBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm that also evaluates with batch statistics: each consecutive group of `micro_batch`
+    images is normalized by its own mean and variance, as in training (EvalNorm-style). The running
+    buffers are never read or written at evaluation."""
+
+    def __init__(self, channels: int, micro_batch: int) -> None:
+        super().__init__(channels)
+        self.micro_batch = micro_batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return super().forward(x)
+        n, b = x.shape[0], self.micro_batch
+        groups = [x[i:i + b] for i in range(0, n, b)] if n % b else [x]
+        out = []
+        for g in groups:  # whole micro-batches in one call: (n/b, b, C, H, W), statistics over (b, H, W)
+            v = g.reshape(-1, min(b, len(g)), *g.shape[1:])
+            mean = v.mean(dim=(1, 3, 4), keepdim=True)
+            var = v.var(dim=(1, 3, 4), unbiased=False, keepdim=True)
+            y = ((v - mean) * torch.rsqrt(var + self.eps)).reshape(g.shape)
+            out.append(y * self.weight[:, None, None] + self.bias[:, None, None])
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class BatchRenorm2d(nn.BatchNorm2d):
+    """Batch Renormalization (Ioffe 2017): batch statistics corrected towards the running ones,
+    x_hat = (x - mu_B) / sigma_B * r + d with r = sigma_B / sigma, d = (mu_B - mu) / sigma, both
+    clipped (r in [1/r_max, r_max], |d| <= d_max) and without gradient. For the first `warmup_steps`
+    optimizer steps r_max = 1 and d_max = 0 (plain BatchNorm), then they grow linearly to their
+    maxima over `ramp_steps`. Optimizer steps are counted as training micro-batches / num_accum."""
+
+    def __init__(self, channels: int, num_accum: int, r_max: float = 3.0, d_max: float = 5.0,
+                 warmup_steps: int = 500, ramp_steps: int = 1500) -> None:
+        super().__init__(channels)
+        self.num_accum, self.r_max, self.d_max = num_accum, r_max, d_max
+        self.warmup_steps, self.ramp_steps = warmup_steps, ramp_steps
+
+    def limits(self) -> tuple[float, float]:
+        """(r_max, d_max) at the current optimizer step."""
+        step = int(self.num_batches_tracked) // self.num_accum
+        if self.ramp_steps == 0:
+            t = float(step >= self.warmup_steps)
+        else:
+            t = min(1.0, max(0.0, (step - self.warmup_steps) / self.ramp_steps))
+        return 1.0 + t * (self.r_max - 1.0), t * self.d_max
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        r_max, d_max = self.limits()
+        mean = x.mean(dim=(0, 2, 3))
+        var = x.var(dim=(0, 2, 3), unbiased=False)
+        std = torch.sqrt(var + self.eps)
+        running_std = torch.sqrt(self.running_var + self.eps)
+        r = (std.detach() / running_std).clamp(1.0 / r_max, r_max)
+        d = ((mean.detach() - self.running_mean) / running_std).clamp(-d_max, d_max)
+        x_hat = (x - mean[:, None, None]) / std[:, None, None] * r[:, None, None] + d[:, None, None]
+        with torch.no_grad():  # the running statistics BatchNorm2d keeps (unbiased variance)
+            n = x.numel() / x.shape[1]
+            self.running_mean.lerp_(mean.detach(), self.momentum)
+            self.running_var.lerp_(var.detach() * n / max(1.0, n - 1), self.momentum)
+            self.num_batches_tracked.add_(1)
+        return x_hat * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+@torch.no_grad()
+def precise_statistics(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
+    """PreciseBN: set every PreciseBatchNorm2d's running mean and variance to the exact mean and
+    (biased) variance of all the values its input took while `batches` went through the model in
+    training mode, i.e. normalized by their own batch statistics upstream. Sums are kept in float64;
+    the variance is E[x^2] - E[x]^2 over everything seen, not a mean of per-batch variances."""
+    layers = [m for m in model.modules() if isinstance(m, PreciseBatchNorm2d)]
+    sums = {m: [0.0, 0.0, 0] for m in layers}
+
+    def record(layer: nn.Module, inputs: tuple[torch.Tensor]) -> None:
+        x = inputs[0].double()
+        total = sums[layer]
+        total[0] = total[0] + x.sum(dim=(0, 2, 3))
+        total[1] = total[1] + (x * x).sum(dim=(0, 2, 3))
+        total[2] += x.numel() // x.shape[1]
+
+    hooks = [m.register_forward_pre_hook(record) for m in layers]
+    saved = {m: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in layers}
+    was_training = model.training
+    model.train()
+    try:
+        for x in batches:
+            model(x)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    for m in layers:
+        s1, s2, n = sums[m]
+        if not n:
+            raise ValueError("precise_statistics saw no batch")
+        mean = s1 / n
+        m.running_mean.copy_(mean)
+        m.running_var.copy_((s2 / n - mean * mean).clamp_min(0))
+        m.num_batches_tracked.copy_(saved[m][2])
+
 
 # SPEC.md's defaults, unchanged: they are what the original study ran.
 NORMS: dict[str, Callable[..., nn.Module]] = {
@@ -14,10 +141,15 @@ NORMS: dict[str, Callable[..., nn.Module]] = {
     "gn16": lambda channels: nn.GroupNorm(16, channels),
     "gn": lambda channels, groups: nn.GroupNorm(groups, channels),  # any group count: norm=gn norm.groups=8
     "none": lambda channels: nn.Identity(),
+    # BatchNorm remedies and batch-free alternatives (README, "Why BatchNorm breaks")
+    "ln": lambda channels: nn.GroupNorm(1, channels),
+    "in_affine": lambda channels: nn.InstanceNorm2d(channels, affine=True),
+    "bn_precise": PreciseBatchNorm2d,
+    "bn_microeval": MicroBatchEvalBatchNorm2d,
+    "brn": BatchRenorm2d,
+    "bn_kmom": lambda channels, num_accum, momentum=0.1: nn.BatchNorm2d(channels, momentum=kmom(momentum, num_accum)),
 }
-GROUPS = {"gn4": 4, "gn16": 16}  # fixed group counts of the named GroupNorm choices
-
-
+GROUPS = {"gn4": 4, "gn16": 16, "ln": 1}  # fixed group counts of the named GroupNorm choices
 def norm2d(name: str, channels: int, **options: int) -> nn.Module:
     """The normalization layer `name` for `channels` channels (options such as `groups` for gn)."""
     try:
@@ -33,3 +165,30 @@ def check_groups(groups: int, channels: tuple[int, ...]) -> None:
     if bad:
         valid = [g for g in range(1, min(channels) + 1) if all(c % g == 0 for c in channels)]
         raise ValueError(f"norm.groups={groups!r} does not divide the channels {list(channels)}; valid: {valid}")
+
+
+# Valid ranges of the layer options in conf/norm/: (kind, lowest, highest), ends included.
+OPTION_RANGES = {"stats_batch_size": (int, 1, None), "stats_samples": (int, 1, None), "micro_batch": (int, 1, None),
+                 "num_accum": (int, 1, None), "warmup_steps": (int, 0, None), "ramp_steps": (int, 0, None),
+                 "r_max": (float, 1.0, None), "d_max": (float, 0.0, None), "momentum": (float, 1e-9, 1.0)}
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """The options of norm `name` are the ones its layer takes, each within its range."""
+    params = list(inspect.signature(NORMS[name]).parameters.values())[1:]  # after `channels`
+    valid = [p.name for p in params]
+    for key in options:
+        if key not in valid:
+            raise ValueError(f"norm.{key} is not an option of norm={name}; valid: {valid or 'none'}")
+    for p in params:
+        if p.default is inspect.Parameter.empty and p.name not in options:
+            raise ValueError(f"norm={name} needs norm.{p.name}; valid options: {valid}")
+    for key, value in options.items():
+        if key not in OPTION_RANGES:
+            continue
+        kind, low, high = OPTION_RANGES[key]
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+              and math.isfinite(value) and value >= low and (high is None or value <= high))
+        if not ok:
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"norm.{key}={value!r}; valid: {'a number' if kind is float else 'an integer'} {bounds}")

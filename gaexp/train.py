@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gaexp.data import Split, micro_batch_indices, to_input
+from gaexp.norms import PreciseBatchNorm2d, precise_statistics
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,14 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> floa
     return correct.item() / len(data.labels)
 
 
+def population_batches(data: Split, batch_size: int, samples: int, seed: int) -> Iterator[torch.Tensor]:
+    """`samples` training images drawn without replacement (own generator), in batches of `batch_size`."""
+    order = torch.randperm(len(data.labels), generator=torch.Generator().manual_seed(seed))[:samples]
+    order = order.to(data.labels.device)
+    for start in range(0, len(order), batch_size):
+        yield to_input(data.images[order[start:start + batch_size]])
+
+
 def train(model: torch.nn.Module, train_data: Split, valid_data: Split, *, batch_size: int,
           num_accum: int, num_iterations: int, eval_period: int, lr: float, seed: int,
           loss_window: int = 100, eval_batch_size: int = 256,
@@ -88,13 +97,15 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, *, batch
     shows a bar only when stderr is a terminal; otherwise one log line per
     evaluation. Every `check_every` steps (each one on the CPU, where the
     check costs nothing) the step losses are checked: the first non-finite
-    one raises DivergedError naming its step.
+    one raises DivergedError naming its step. PreciseBN layers get their
+    population statistics recomputed before each evaluation.
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     batches = micro_batch_indices(len(train_data.labels), batch_size, seed, train_data.labels.device)
     step_losses = torch.zeros(num_iterations, device=train_data.labels.device)
     show_bar = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=num_iterations, desc=desc, disable=not show_bar, dynamic_ncols=True, leave=False)
+    precise = [m for m in model.modules() if isinstance(m, PreciseBatchNorm2d)]
     history: list[EvalPoint] = []
     train_seconds, tic, checked = 0.0, time.perf_counter(), 0
     model.train()
@@ -114,6 +125,9 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, *, batch
             train_loss = step_losses[max(0, step - loss_window):step].mean().item()
             train_seconds += time.perf_counter() - tic
             samples_per_sec = step * batch_size * num_accum / train_seconds
+            if precise:
+                precise_statistics(model, population_batches(train_data, precise[0].stats_batch_size,
+                                                             precise[0].stats_samples, seed=seed * 100_003 + step))
             point = EvalPoint(step, train_loss, evaluate(model, valid_data, eval_batch_size), samples_per_sec)
             history.append(point)
             on_eval(point)

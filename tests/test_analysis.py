@@ -96,6 +96,27 @@ def test_paired_differences_with_t_intervals(store):
     assert ("gn4", "bs4a4") not in paired.index
 
 
+def test_ranking_on_bs1a16_against_both_baselines(store, tmp_path):
+    client, experiment_id, _ = store
+    for norm, seed, accs in [("in", 1, (0.95, 0.96, 0.97)), ("in", 2, (0.93, 0.94, 0.95)),
+                             ("bn_microeval", 1, (0.93, 0.94, 0.95)), ("bn_microeval", 2, (0.90, 0.91, 0.92))]:
+        add_run(client, experiment_id, norm, "bs1a16", seed, accs)
+    summary = summarize(collect(client, "gaexp").data)
+    ranking = summary.ranking.set_index("norm")
+    assert list(ranking.index) == ["in", "bn_microeval", "gn4", "bn"]  # by mean: 0.95, 0.925, 0.89, 0.525
+    assert list(ranking["rank"]) == [1, 2, 3, 4] and ranking.loc["bn_microeval", "mean"] == pytest.approx(0.925)
+    fix = ranking.loc["bn_microeval"]
+    to_bn, to_in = np.array([0.94 - 0.92, 0.91 - 0.82]), np.array([0.94 - 0.96, 0.91 - 0.94])  # same-seed pairs
+    for diffs, name in [(to_bn, "bn/bs16a1"), (to_in, "in/bs1a16")]:
+        half = 12.706204736174707 * diffs.std(ddof=1) / np.sqrt(2)
+        assert fix[f"vs {name}"] == pytest.approx(diffs.mean())
+        assert (fix[f"vs {name} low"], fix[f"vs {name} high"]) == (pytest.approx(diffs.mean() - half),
+                                                                  pytest.approx(diffs.mean() + half))
+    assert ranking.loc["in", "vs in/bs1a16"] == 0.0
+    text = analysis.format_table(summary)
+    assert "| 2 | bn_microeval | 92.50 | 2 | +5.50 [-38.97, +49.97] | -2.50 [-8.85, +3.85] |" in text
+
+
 def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
     client, experiment_id, _ = store
     add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.1, 0.1, 0.1), status="FAILED")
@@ -153,7 +174,7 @@ def test_export_writes_every_file(store, tmp_path):
     client, _, uri = store
     summary, collected, written = analysis.report(uri, "gaexp", out=tmp_path / "r")
     assert sorted(p.name for p in written) == sorted(
-        ["table.md", "table.csv", "cells.csv", "paired.csv", "runs.csv",
+        ["table.md", "table.csv", "cells.csv", "paired.csv", "runs.csv", "ranking.csv",
          "curves.png", "curves.pdf", "train_loss.png", "train_loss.pdf"])
     assert all(p.stat().st_size > 0 for p in written)
     table = pd.read_csv(tmp_path / "r" / "table.csv", index_col="norm")

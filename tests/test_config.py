@@ -13,7 +13,7 @@ from gaexp.model import SimpleModel
 from gaexp.norms import NORMS
 from gaexp.train import train
 
-NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn"]
+NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
 REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
 
 

@@ -20,8 +20,9 @@ def test_registry_keeps_spec_defaults():
 
 
 def test_unknown_norm_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown norm 'ln'; valid: \['bn', 'gn', 'gn16', 'gn4', 'in', 'none'\]"):
-        norm2d("ln", 32)
+    with pytest.raises(ValueError, match=r"unknown norm 'layernorm'; valid: \['bn', 'bn_kmom', 'bn_microeval', "
+                                         r"'bn_precise', 'brn', 'gn', 'gn16', 'gn4', 'in', 'in_affine', 'ln', 'none'\]"):
+        norm2d("layernorm", 32)
 
 
 def test_simple_model_shapes_and_size():
@@ -38,11 +39,14 @@ def test_simple_model_shapes_and_size():
 
 
 def test_every_norm_starts_from_the_same_weights():
+    options = {"gn": {"groups": 8}, "bn_precise": {"stats_batch_size": 16, "stats_samples": 64},
+               "bn_microeval": {"micro_batch": 1}, "brn": {"num_accum": 16}, "bn_kmom": {"num_accum": 16}}
+
     def convs(norm):
         torch.manual_seed(7)
-        model = SimpleModel(norm)
+        model = SimpleModel(norm, **options.get(norm, {}))
         return [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     reference = convs("bn")
-    for norm in set(NORMS) - {"gn"}:
-        assert all(torch.equal(a, b) for a, b in zip(reference, convs(norm)))
+    for norm in NORMS:
+        assert all(torch.equal(a, b) for a, b in zip(reference, convs(norm))), norm
