@@ -74,7 +74,7 @@ def launcher_warnings(config: DictConfig) -> list[str]:
     if target.endswith("submitit_launcher.SlurmLauncher") and config.mlflow.tracking_uri.startswith("sqlite:"):
         warnings.append(f"cluster jobs writing to {config.mlflow.tracking_uri}: SQLite on a shared file system "
                         "locks and can corrupt; start an MLflow server and set mlflow.tracking_uri=http://HOST:PORT "
-                        "(README, 'Cluster')")
+                        "(README, 'Beyond one machine')")
     return warnings
 
 

@@ -12,7 +12,6 @@ import math
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -43,11 +42,11 @@ class MicroBatchEvalBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             return super().forward(x)
-        n, b = x.shape[0], self.micro_batch
-        groups = [x[i:i + b] for i in range(0, n, b)] if n % b else [x]
+        whole = x.shape[0] - x.shape[0] % self.micro_batch
+        groups = [g for g in (x[:whole], x[whole:]) if len(g)]  # the whole micro-batches, then any remainder
         out = []
-        for g in groups:  # whole micro-batches in one call: (n/b, b, C, H, W), statistics over (b, H, W)
-            v = g.reshape(-1, min(b, len(g)), *g.shape[1:])
+        for g in groups:  # all micro-batches in one call: (n/b, b, C, H, W), statistics over (b, H, W)
+            v = g.reshape(-1, min(self.micro_batch, len(g)), *g.shape[1:])
             mean = v.mean(dim=(1, 3, 4), keepdim=True)
             var = v.var(dim=(1, 3, 4), unbiased=False, keepdim=True)
             y = ((v - mean) * torch.rsqrt(var + self.eps)).reshape(g.shape)
@@ -113,7 +112,7 @@ def precise_statistics(model: nn.Module, batches: Iterable[torch.Tensor]) -> Non
         total[2] += x.numel() // x.shape[1]
 
     hooks = [m.register_forward_pre_hook(record) for m in layers]
-    saved = {m: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in layers}
+    counters = {m: m.num_batches_tracked.clone() for m in layers}  # the statistics themselves are replaced below
     was_training = model.training
     model.train()
     try:
@@ -130,7 +129,7 @@ def precise_statistics(model: nn.Module, batches: Iterable[torch.Tensor]) -> Non
         mean = s1 / n
         m.running_mean.copy_(mean)
         m.running_var.copy_((s2 / n - mean * mean).clamp_min(0))
-        m.num_batches_tracked.copy_(saved[m][2])
+        m.num_batches_tracked.copy_(counters[m])
 
 
 # SPEC.md's defaults, unchanged: they are what the original study ran.
@@ -149,7 +148,8 @@ NORMS: dict[str, Callable[..., nn.Module]] = {
     "brn": BatchRenorm2d,
     "bn_kmom": lambda channels, num_accum, momentum=0.1: nn.BatchNorm2d(channels, momentum=kmom(momentum, num_accum)),
 }
-GROUPS = {"gn4": 4, "gn16": 16, "ln": 1}  # fixed group counts of the named GroupNorm choices
+
+
 def norm2d(name: str, channels: int, **options: int) -> nn.Module:
     """The normalization layer `name` for `channels` channels (options such as `groups` for gn)."""
     try:
