@@ -1,5 +1,5 @@
 """gaexp: does gradient accumulation stand in for a big batch, and which norms break it?"""
 
-from gaexp.config import register_resolvers
+from gaexp.config import register
 
-register_resolvers()
+register()  # the schema in Hydra's ConfigStore and the ${gaexp.*} resolvers, before anything composes

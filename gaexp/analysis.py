@@ -1,13 +1,16 @@
-"""Rebuild SPEC.md's comparison table and learning curves from the MLflow store.
+"""Rebuild the study's comparison table and learning curves from the MLflow store (docs/study.md).
 
 Stages, each testable alone: `collect` (MLflow -> one tidy DataFrame),
 `summarize` (pure pandas -> tables), `plot_curves` (matplotlib -> figures),
-`export` (files). `python -m gaexp.analysis --help` runs them all.
+`export` (files). The design (table columns, reference, ranked regime,
+baselines, window) is a study's `analysis` node (conf/experiment/*.yaml,
+schema `AnalysisConfig`). `gaexp-report --help` runs them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,22 +22,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from mlflow.entities import ViewType  # noqa: E402
+from mlflow.entities import Run, ViewType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from gaexp.config import CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
 from gaexp.tracking import sweeps_of  # noqa: E402
 
-NORM_ORDER = ["bn", "in", "gn4", "gn16", "none", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
-REGIME_ORDER = ["bs1a1", "bs1a16", "bs4a4", "bs16a1"]
-TABLE_COLUMNS = ["bs16a1", "bs1a16", "bs4a4"]  # effective batch 16; bs1a1 is the reference curve
-REFERENCE = "bs16a1"
-PROTOCOL = ["num_iterations", "eval_period", "lr", "loss_window"]  # runs differing here never mix
+PROTOCOL = [key.rpartition(".")[2] for key in PROTOCOL_COLUMNS]  # runs differing in any of these never mix
 TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
         "step", "valid_acc", "train_loss"]
-RANKED_REGIME = "bs1a16"  # the regime the remedies must rescue: micro-batch 1, 16 accumulation steps
-BASELINES = [("bn", "bs16a1"), ("in", "bs1a16")]  # the true batch BatchNorm was made for; the best batch-free norm
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
 RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds"]
 
@@ -54,6 +53,31 @@ class Collected:
 def _order(values: Sequence[str], preferred: Sequence[str]) -> list[str]:
     present = list(dict.fromkeys(values))
     return [v for v in preferred if v in present] + sorted(v for v in present if v not in preferred)
+
+
+def _number(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def load_study(study: str) -> AnalysisConfig:
+    """The `analysis` node of conf/experiment/<study>.yaml (or of a YAML file at that path), over the schema."""
+    path = Path(study) if study.endswith((".yaml", ".yml")) else Path(CONFIG_DIR) / "experiment" / f"{study}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+        raise AnalysisError(f"--study {study!r}: no file {path}; valid: {known} or a path to a .yaml file")
+    node = OmegaConf.load(path).get("analysis", {})
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AnalysisConfig), node))
+
+
+def training_runs(client: MlflowClient, experiment_name: str) -> dict[str, Run]:
+    """The training runs of an experiment by run name, whatever their status (report runs left out;
+    none if there is no such experiment)."""
+    experiment = client.get_experiment_by_name(experiment_name)
+    runs = client.search_runs([experiment.experiment_id], max_results=50_000) if experiment else []
+    return {r.info.run_name: r for r in runs if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE}
 
 
 def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -> Collected:
@@ -95,7 +119,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
         base = {"run_id": run.info.run_id, "sweep_id": tags.get("sweep_id", ""), "norm": tags["norm"],
                 "regime": tags["regime"], "batch_size": int(tags["batch_size"]),
                 "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
-                **{key: float(params.get(f"train.{key}", "nan")) for key in PROTOCOL}}
+                **{name: _number(params.get(key, "nan")) for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
         run_rows.append({**{k: base[k] for k in TIDY[:7]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
@@ -108,7 +132,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
                      pd.DataFrame(run_rows, columns=[*TIDY[:7], *RUN_METRICS]))
 
 
-def memory_table(runs: pd.DataFrame) -> pd.DataFrame:
+def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
     """Per regime: micro-batch, effective batch, activation memory per micro-batch, speed, peaks."""
     table = runs.groupby("regime").agg(
         micro_batch=("batch_size", "first"), num_accum=("num_accum", "first"), runs=("run_id", "count"),
@@ -116,9 +140,9 @@ def memory_table(runs: pd.DataFrame) -> pd.DataFrame:
         wall_seconds=("wall_seconds", "mean"), peak_rss_mb=("peak_rss_mb", "max"),
         cuda_max_mem_mb=("cuda_max_mem_mb", "max"))
     table.insert(1, "effective_batch", table.micro_batch * table.num_accum)
-    table = table.drop(columns="num_accum").reindex(_order(table.index, REGIME_ORDER))
-    if REFERENCE in table.index:
-        table.insert(3, "activation_vs_bs16a1", table.activation_mb / table.activation_mb[REFERENCE])
+    table = table.drop(columns="num_accum").reindex(_order(table.index, design.regime_order))
+    if design.reference in table.index:
+        table.insert(3, f"activation_vs_{design.reference}", table.activation_mb / table.activation_mb[design.reference])
     return table.dropna(axis="columns", how="all")
 
 
@@ -126,7 +150,8 @@ def check_protocol(data: pd.DataFrame) -> None:
     """Refuse to average runs of different protocols together."""
     protocols = data[PROTOCOL].drop_duplicates()
     if len(protocols) > 1:
-        found = "; ".join(", ".join(f"{k}={v:g}" for k, v in row.items()) for _, row in protocols.iterrows())
+        found = "; ".join(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                          for _, row in protocols.iterrows())
         raise AnalysisError(f"runs of {len(protocols)} different protocols ({found}); "
                             "choose one sweep with --sweep")
 
@@ -142,24 +167,24 @@ def t_interval(values: pd.Series) -> tuple[float, float, float]:
 
 @dataclass
 class Summary:
-    table: pd.DataFrame  # SPEC.md's table: rows norm, columns TABLE_COLUMNS, pooled mean valid acc
+    table: pd.DataFrame  # the study's table: rows norm, columns design.table_columns, pooled mean valid acc
     cells: pd.DataFrame  # per (norm, regime): mean, std over seeds, seeds, final-step accuracy
     paired: pd.DataFrame  # per norm and GA regime: paired (same seed) difference to bs16a1, 95% CI
     missing: list[str]  # cells with fewer seeds than the fullest cell, or none at all
-    window_start: int
-    ranking: pd.DataFrame  # norms on RANKED_REGIME, best first, paired differences to each of BASELINES
+    design: AnalysisConfig
+    ranking: pd.DataFrame  # norms on design.ranked_regime, best first, paired differences to each baseline
 
 
-def rank(per_run: pd.Series, regime: str = RANKED_REGIME) -> pd.DataFrame:
-    """Every norm run on `regime`, best mean first, with its paired (same-seed) difference and 95%
-    t-interval to each baseline cell present. `per_run`: windowed mean per (norm, regime, seed)."""
-    rows = []
-    for norm in _order(per_run.index.get_level_values("norm").unique(), NORM_ORDER):
+def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
+    """Every norm run on the ranked regime, best mean first, with its paired (same-seed) difference and
+    95% t-interval to each baseline cell present. `per_run`: windowed mean per (norm, regime, seed)."""
+    rows, regime = [], design.ranked_regime
+    for norm in _order(per_run.index.get_level_values("norm").unique(), design.norm_order):
         if (norm, regime) not in per_run.index:
             continue
         acc = per_run[norm, regime]
         row = {"norm": norm, "mean": float(acc.mean()), "seeds": len(acc)}
-        for b_norm, b_regime in BASELINES:
+        for b_norm, b_regime in design.baseline_cells():
             name = f"{b_norm}/{b_regime}"
             diff = (acc - per_run[b_norm, b_regime]).dropna() if (b_norm, b_regime) in per_run.index else acc[[]]
             mean, low, high = t_interval(diff) if len(diff) else (np.nan, np.nan, np.nan)
@@ -173,19 +198,20 @@ def rank(per_run: pd.Series, regime: str = RANKED_REGIME) -> pd.DataFrame:
     return ranking
 
 
-def summarize(data: pd.DataFrame, window_start: int = 250) -> Summary:
-    """The tables, from the tidy data; evaluations at step > window_start count."""
+def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
+    """The tables, from the tidy data; evaluations at step > design.window_start count."""
     if data.empty:
         raise AnalysisError("no FINISHED runs to summarize")
     check_protocol(data)
-    window = data[data.step > window_start]
+    window = data[data.step > design.window_start]
     if window.empty:
-        raise AnalysisError(f"no evaluation after step {window_start} (last step {data.step.max()})")
-    norms = _order(data.norm, NORM_ORDER)
-    regimes = _order([*data.regime, *TABLE_COLUMNS], REGIME_ORDER)  # the table's columns are always expected
+        raise AnalysisError(f"no evaluation after step {design.window_start} (last step {data.step.max()})")
+    columns, reference = list(design.table_columns), design.reference
+    norms = _order(data.norm, design.norm_order)
+    regimes = _order([*data.regime, *columns], design.regime_order)  # the table's columns are always expected
 
     pooled = window.groupby(["norm", "regime"]).valid_acc.mean()
-    table = pooled.unstack("regime").reindex(index=norms, columns=TABLE_COLUMNS)
+    table = pooled.unstack("regime").reindex(index=norms, columns=columns)
     table.columns.name, table.index.name = None, "norm"
 
     per_run = window.groupby(["norm", "regime", "seed"]).valid_acc.mean()
@@ -198,10 +224,10 @@ def summarize(data: pd.DataFrame, window_start: int = 250) -> Summary:
 
     paired_rows = []
     for norm in norms:
-        for regime in (r for r in TABLE_COLUMNS if r != REFERENCE):
-            if (norm, regime) not in per_run.index or (norm, REFERENCE) not in per_run.index:
+        for regime in (r for r in columns if r != reference):
+            if (norm, regime) not in per_run.index or (norm, reference) not in per_run.index:
                 continue
-            diff = (per_run[norm, regime] - per_run[norm, REFERENCE]).dropna()  # aligned on seed
+            diff = (per_run[norm, regime] - per_run[norm, reference]).dropna()  # aligned on seed
             if diff.empty:
                 continue
             mean, low, high = t_interval(diff)
@@ -214,7 +240,7 @@ def summarize(data: pd.DataFrame, window_start: int = 250) -> Summary:
     seeds = per_run.groupby(["norm", "regime"]).size()
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
-    return Summary(table, cells, paired, missing, window_start, rank(per_run))
+    return Summary(table, cells, paired, missing, design, rank(per_run, design))
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -227,11 +253,12 @@ def _grid(n_panels: int, max_cols: int = 3):
     return fig, axes.flat[:n_panels]
 
 
-def plot_curves(data: pd.DataFrame, metric: str = "valid_acc") -> plt.Figure:
+def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisConfig | None = None) -> plt.Figure:
     """One panel per norm, one colour per regime: mean over seeds, band from min to max."""
-    norms = _order(data.norm, NORM_ORDER)
-    regimes = _order(data.regime, REGIME_ORDER)
-    colors = dict(zip(REGIME_ORDER, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
+    design = design or AnalysisConfig()
+    norms = _order(data.norm, design.norm_order)
+    regimes = _order(data.regime, design.regime_order)
+    colors = dict(zip(design.regime_order, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
     fig, axes = _grid(len(norms))
     stats_ = data.groupby(["norm", "regime", "step"])[metric].agg(["mean", "min", "max"]).reset_index()
     for ax, norm in zip(axes, norms):
@@ -245,11 +272,14 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc") -> plt.Figure:
         ax.set_title(norm, fontsize=12)
         ax.grid(alpha=0.3)
     if metric == "valid_acc":  # zoom on the effective-batch-16 curves; bs1a1 may start below
-        focus = stats_[stats_.regime.isin(TABLE_COLUMNS)]
+        focus = stats_[stats_.regime.isin(design.table_columns)]
         low = (focus if not focus.empty else stats_)["mean"].min()
         axes[0].set_ylim(max(0.0, min(low, 0.95) - 0.02), 1.0)
         label = "validation accuracy"
     else:
+        low, high = stats_["min"].min(), stats_["max"].max()
+        if low == high:  # flat curves: give the log axis a range around them before it is made
+            axes[0].set_ylim(low / 1.5, high * 1.5)
         axes[0].set_yscale("log")
         label = "train loss (mean of last 100 steps)"
     ncols = axes[0].get_subplotspec().get_gridspec().ncols
@@ -280,12 +310,12 @@ def format_memory(memory: pd.DataFrame) -> str:
 
 
 def format_table(summary: Summary) -> str:
-    """SPEC.md's table as Markdown, then the fuller one, the paired differences and what is missing."""
+    """The study's table as Markdown, then the fuller one, the paired differences and what is missing."""
     def pct(x: float) -> str:
         return "–" if pd.isna(x) else f"{100 * x:.2f}"
 
     header = ["norm", *summary.table.columns]
-    lines = [f"Mean valid accuracy (%) over evaluations at step > {summary.window_start}, pooled over seeds", "",
+    lines = [f"Mean valid accuracy (%) over evaluations at step > {summary.design.window_start}, pooled over seeds", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for norm, row in summary.table.iterrows():
         lines.append("| " + " | ".join([norm, *(pct(v) for v in row)]) + " |")
@@ -294,7 +324,7 @@ def format_table(summary: Summary) -> str:
     for (norm, regime), c in summary.cells.iterrows():
         lines.append(f"| {norm} | {regime} | {pct(c['mean'])} | {pct(c['std'])} | {int(c.seeds)} | {pct(c.final_acc)} |")
     if not summary.paired.empty:
-        lines += ["", f"Paired (same seed) difference to {REFERENCE}, percentage points, 95% t-interval", "",
+        lines += ["", f"Paired (same seed) difference to {summary.design.reference}, percentage points, 95% t-interval", "",
                   "| norm | regime | diff | 95% CI | pairs | GA matches true batch? |", "|---|---|---|---|---|---|"]
         for p in summary.paired.itertuples():
             ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
@@ -302,24 +332,24 @@ def format_table(summary: Summary) -> str:
                 p.matches, "no: worse" if p.diff < 0 else "no: better")
             lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {p.pairs} | {verdict} |")
     if len(summary.ranking) > 1:
-        lines += ["", format_ranking(summary.ranking)]
+        lines += ["", format_ranking(summary.ranking, summary.design)]
     if summary.missing:
         lines += ["", "Missing cells: " + "; ".join(summary.missing)]
     return "\n".join(lines) + "\n"
 
 
-def format_ranking(ranking: pd.DataFrame) -> str:
-    """The ranking on RANKED_REGIME as Markdown: mean, then each paired difference with its interval."""
+def format_ranking(ranking: pd.DataFrame, design: AnalysisConfig) -> str:
+    """The ranking on the ranked regime as Markdown: mean, then each paired difference with its interval."""
     def diff(row: pd.Series, name: str) -> str:
         mean, low, high = row[f"vs {name}"], row[f"vs {name} low"], row[f"vs {name} high"]
         if pd.isna(mean):
             return "–"
         return f"{100 * mean:+.2f}" + ("" if pd.isna(low) else f" [{100 * low:+.2f}, {100 * high:+.2f}]")
 
-    names = [f"{n}/{r}" for n, r in BASELINES]
-    lines = [f"Ranking on {RANKED_REGIME}: mean valid accuracy %, and the paired (same seed) difference in points "
+    names, regime = list(design.baselines), design.ranked_regime
+    lines = [f"Ranking on {regime}: mean valid accuracy %, and the paired (same seed) difference in points "
              "to each baseline with its 95% t-interval", "",
-             "| rank | norm | " + RANKED_REGIME + " % | seeds | " + " | ".join(f"vs {n}" for n in names) + " |",
+             "| rank | norm | " + regime + " % | seeds | " + " | ".join(f"vs {n}" for n in names) + " |",
              "|" + "---|" * (4 + len(names))]
     for _, row in ranking.iterrows():
         lines.append(f"| {row['rank']} | {row.norm} | {100 * row['mean']:.2f} | {row.seeds} | "
@@ -334,7 +364,7 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
                out / "ranking.csv"]
     text = format_table(summary)
     if collected.runs is not None and collected.runs.activation_mb.notna().any():
-        memory = memory_table(collected.runs)
+        memory = memory_table(collected.runs, summary.design)
         text += "\n" + format_memory(memory)
         memory.to_csv(out / "memory.csv")
         written.append(out / "memory.csv")
@@ -348,7 +378,7 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     collected.data.to_csv(written[4], index=False)
     summary.ranking.to_csv(written[5], index=False)
     for metric, stem in (("valid_acc", "curves"), ("train_loss", "train_loss")):
-        fig = plot_curves(collected.data, metric)
+        fig = plot_curves(collected.data, metric, summary.design)
         for suffix in (".png", ".pdf"):
             fig.savefig(out / f"{stem}{suffix}", dpi=150)
             written.append(out / f"{stem}{suffix}")
@@ -356,11 +386,11 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     return written
 
 
-def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", window_start: int = 250,
+def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", design: AnalysisConfig | None = None,
            out: Path | None = None, outputs_root: Path = Path("outputs")) -> tuple[Summary, Collected, list[Path]]:
     """collect -> summarize -> export; the default folder is outputs/reports/<sweep>."""
     collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
-    summary = summarize(collected.data, window_start)
+    summary = summarize(collected.data, design or AnalysisConfig())
     folder = out if out is not None else outputs_root / "reports" / (collected.sweep or "unnamed")
     return summary, collected, export(collected, summary, folder)
 
@@ -375,15 +405,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sweep", default="latest",
                         help="'latest' (the sweep of the newest run), 'all', a sweep id, or several "
                              "comma-separated (default: %(default)s)")
-    parser.add_argument("--window-start", type=int, default=250,
-                        help="average evaluations at step > this (default: %(default)s; 2499 for the tail)")
+    parser.add_argument("--study", default="spec",
+                        help="the report's design: the `analysis` node of conf/experiment/STUDY.yaml, or of a "
+                             "YAML file given by path (default: %(default)s)")
+    parser.add_argument("--window-start", type=int, default=None,
+                        help="average evaluations at step > this (default: the study's, 250; 2499 for the tail)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<sweep>)")
     args = parser.parse_args(argv)
     if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
         sys.exit(f"error: no MLflow store at {args.tracking_uri}")
     try:
-        summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, args.window_start, args.out)
-    except AnalysisError as e:
+        design = load_study(args.study)
+        if args.window_start is not None:
+            design = dataclasses.replace(design, window_start=args.window_start)
+        summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out)
+    except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(f"sweep: {collected.sweep}  runs: {collected.data.run_id.nunique()} finished, "
           f"{len(collected.excluded)} excluded")

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import MNIST
 from torchvision.transforms import ToTensor
 
-from gaexp.config import regime_name
+from gaexp.config import DEVICES, RegimeConfig, TrainConfig, regime_name
 from gaexp.data import Split, ensure_mnist, load_split
 from gaexp.model import SimpleModel
 from gaexp.train import evaluate, resolve_device, train
@@ -69,8 +69,7 @@ def gaexp_train_rate(data: Split, probe: Split, norm: str, b: int, k: int, sampl
     torch.manual_seed(0)
     model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
     steps = max(1, samples // (b * k))
-    history = train(model, data, probe, batch_size=b, num_accum=k, num_iterations=steps, eval_period=steps,
-                    lr=1e-3, seed=0, progress=False)
+    history = train(model, data, probe, TrainConfig(num_iterations=steps, eval_period=steps), RegimeConfig(b, k), seed=0)
     return history[-1].samples_per_sec
 
 
@@ -116,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--norm", default="bn", help="norm whose model is timed (default: %(default)s)")
     parser.add_argument("--regimes", default=",".join(STUDY_REGIMES),
                         help="comma-separated bs{b}a{k} names (default: the study's four)")
-    parser.add_argument("--device", default="cpu", help="gaexp's device: auto, cpu, cuda (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help="gaexp's device (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the side-by-side comparison (default: %(default)s)")
     parser.add_argument("--naive-grid-threads", type=int, default=cores,

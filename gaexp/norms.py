@@ -1,18 +1,21 @@
 """The one registry mapping a `norm` config name to a layer constructor (pycls's norm2d).
 
-The first five are SPEC.md's layers with PyTorch's defaults. The rest are
-BatchNorm remedies and batch-free alternatives that slot into the same grid;
-each differs from BatchNorm only in where its statistics come from.
+The first five are the study's layers with PyTorch's defaults (docs/study.md). The rest are
+BatchNorm remedies and batch-free alternatives that slot into the same grid; each differs from
+BatchNorm only in where its statistics come from. A norm that must act during training registers
+a hook here (`hooks_for`): PreciseBN refreshes its statistics before every evaluation. The options
+of each layer, their defaults and ranges, are declared in gaexp/config.py.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+from gaexp.data import Split, to_input
+from gaexp.hooks import Hook
 
 
 def kmom(momentum: float, num_accum: int) -> float:
@@ -61,8 +64,8 @@ class BatchRenorm2d(nn.BatchNorm2d):
     optimizer steps r_max = 1 and d_max = 0 (plain BatchNorm), then they grow linearly to their
     maxima over `ramp_steps`. Optimizer steps are counted as training micro-batches / num_accum."""
 
-    def __init__(self, channels: int, num_accum: int, r_max: float = 3.0, d_max: float = 5.0,
-                 warmup_steps: int = 500, ramp_steps: int = 1500) -> None:
+    def __init__(self, channels: int, num_accum: int, r_max: float, d_max: float, warmup_steps: int,
+                 ramp_steps: int) -> None:
         super().__init__(channels)
         self.num_accum, self.r_max, self.d_max = num_accum, r_max, d_max
         self.warmup_steps, self.ramp_steps = warmup_steps, ramp_steps
@@ -132,7 +135,34 @@ def precise_statistics(model: nn.Module, batches: Iterable[torch.Tensor]) -> Non
         m.num_batches_tracked.copy_(counters[m])
 
 
-# SPEC.md's defaults, unchanged: they are what the original study ran.
+def population_batches(data: Split, batch_size: int, samples: int, seed: int) -> Iterator[torch.Tensor]:
+    """`samples` training images drawn without replacement (own generator), in batches of `batch_size`."""
+    order = torch.randperm(len(data.labels), generator=torch.Generator().manual_seed(seed))[:samples]
+    order = order.to(data.labels.device)
+    for start in range(0, len(order), batch_size):
+        yield to_input(data.images[order[start:start + batch_size]])
+
+
+class PreciseStatistics(Hook):
+    """Before every evaluation, PreciseBN's population statistics from fresh training images (a new
+    draw per evaluation, seeded by the run's seed and the step)."""
+
+    def __init__(self, layer: PreciseBatchNorm2d, data: Split, seed: int) -> None:
+        self.batch_size, self.samples = layer.stats_batch_size, layer.stats_samples
+        self.data, self.seed = data, seed
+
+    def before_eval(self, model: nn.Module, step: int) -> None:
+        batches = population_batches(self.data, self.batch_size, self.samples, seed=self.seed * 100_003 + step)
+        precise_statistics(model, batches)
+
+
+def hooks_for(model: nn.Module, data: Split, seed: int) -> list[Hook]:
+    """The training hooks the model's norm layers need (none for most)."""
+    precise = [m for m in model.modules() if isinstance(m, PreciseBatchNorm2d)]
+    return [PreciseStatistics(precise[0], data, seed)] if precise else []
+
+
+# The study's defaults, unchanged: they are what the original study ran.
 NORMS: dict[str, Callable[..., nn.Module]] = {
     "bn": lambda channels: nn.BatchNorm2d(channels),
     "in": lambda channels: nn.InstanceNorm2d(channels),
@@ -140,13 +170,13 @@ NORMS: dict[str, Callable[..., nn.Module]] = {
     "gn16": lambda channels: nn.GroupNorm(16, channels),
     "gn": lambda channels, groups: nn.GroupNorm(groups, channels),  # any group count: norm=gn norm.groups=8
     "none": lambda channels: nn.Identity(),
-    # BatchNorm remedies and batch-free alternatives (README, "Why BatchNorm breaks")
+    # BatchNorm remedies and batch-free alternatives (docs/study.md, "Normalizations")
     "ln": lambda channels: nn.GroupNorm(1, channels),
     "in_affine": lambda channels: nn.InstanceNorm2d(channels, affine=True),
     "bn_precise": PreciseBatchNorm2d,
     "bn_microeval": MicroBatchEvalBatchNorm2d,
     "brn": BatchRenorm2d,
-    "bn_kmom": lambda channels, num_accum, momentum=0.1: nn.BatchNorm2d(channels, momentum=kmom(momentum, num_accum)),
+    "bn_kmom": lambda channels, num_accum, momentum: nn.BatchNorm2d(channels, momentum=kmom(momentum, num_accum)),
 }
 
 
@@ -155,40 +185,5 @@ def norm2d(name: str, channels: int, **options: int) -> nn.Module:
     try:
         make = NORMS[name]
     except KeyError:
-        raise ValueError(f"unknown norm {name!r}; valid: {sorted(NORMS)}") from None
+        raise ValueError(f"norm.name={name!r}; valid: {sorted(NORMS)}") from None
     return make(channels, **options)
-
-
-def check_groups(groups: int, channels: tuple[int, ...]) -> None:
-    """GroupNorm needs a group count that divides every layer's channels."""
-    bad = [c for c in channels if not isinstance(groups, int) or groups < 1 or c % groups]
-    if bad:
-        valid = [g for g in range(1, min(channels) + 1) if all(c % g == 0 for c in channels)]
-        raise ValueError(f"norm.groups={groups!r} does not divide the channels {list(channels)}; valid: {valid}")
-
-
-# Valid ranges of the layer options in conf/norm/: (kind, lowest, highest), ends included.
-OPTION_RANGES = {"stats_batch_size": (int, 1, None), "stats_samples": (int, 1, None), "micro_batch": (int, 1, None),
-                 "num_accum": (int, 1, None), "warmup_steps": (int, 0, None), "ramp_steps": (int, 0, None),
-                 "r_max": (float, 1.0, None), "d_max": (float, 0.0, None), "momentum": (float, 1e-9, 1.0)}
-
-
-def check_options(name: str, options: Mapping[str, Any]) -> None:
-    """The options of norm `name` are the ones its layer takes, each within its range."""
-    params = list(inspect.signature(NORMS[name]).parameters.values())[1:]  # after `channels`
-    valid = [p.name for p in params]
-    for key in options:
-        if key not in valid:
-            raise ValueError(f"norm.{key} is not an option of norm={name}; valid: {valid or 'none'}")
-    for p in params:
-        if p.default is inspect.Parameter.empty and p.name not in options:
-            raise ValueError(f"norm={name} needs norm.{p.name}; valid options: {valid}")
-    for key, value in options.items():
-        if key not in OPTION_RANGES:
-            continue
-        kind, low, high = OPTION_RANGES[key]
-        ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
-              and math.isfinite(value) and value >= low and (high is None or value <= high))
-        if not ok:
-            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ValueError(f"norm.{key}={value!r}; valid: {'a number' if kind is float else 'an integer'} {bounds}")

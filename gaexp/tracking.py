@@ -22,11 +22,10 @@ from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from gaexp.train import EvalPoint
+from gaexp.config import protocol_part
+from gaexp.hooks import EvalPoint, Hook
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
-# Config keys that never change a run's result: left out of its protocol key, so resuming ignores them.
-NOT_PROTOCOL = ("paths", "data", "mlflow", "progress", "threads", "compile", "rerun")
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
 
@@ -35,8 +34,8 @@ def is_remote(tracking_uri: str) -> bool:
     return tracking_uri.startswith(("http://", "https://", "databricks"))
 
 
-def check_tracking_uri(tracking_uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, naming the URI, on a store gaexp cannot use or a server that does not answer."""
+def check_server(tracking_uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, naming the URI, on a tracking server that does not answer (the schema checked the scheme)."""
     if tracking_uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout) as response:
@@ -44,9 +43,6 @@ def check_tracking_uri(tracking_uri: str, timeout: float = 5.0) -> None:
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ConnectionError(f"MLflow tracking server {tracking_uri} unreachable: {reason}") from None
-    elif not tracking_uri.startswith(("sqlite:///", "databricks")):
-        raise ValueError(f"mlflow.tracking_uri={tracking_uri!r}; valid: sqlite:///ABSOLUTE/PATH.db or "
-                         "http(s)://HOST:PORT (MLflow's plain file store is refused since 3.13)")
 
 
 def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: str | None) -> str:
@@ -74,6 +70,15 @@ def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: st
     return experiment.experiment_id
 
 
+def experiment_id(client: MlflowClient, experiment_name: str) -> str:
+    """The id of an experiment `prepare_store` created (a job runs after its sweep prepared the store)."""
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None or experiment.lifecycle_stage != "active":
+        raise ValueError(f"no active MLflow experiment {experiment_name!r} in {client.tracking_uri}; "
+                         "run through `gaexp`, whose first step creates it")
+    return experiment.experiment_id
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'train': {'lr': 0.001}} -> {'train.lr': 0.001}."""
     flat: dict[str, Any] = {}
@@ -87,8 +92,8 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def protocol_key(resolved: Mapping[str, Any]) -> str:
-    """A stable digest of everything that can change a run's result (see NOT_PROTOCOL)."""
-    kept = {k: v for k, v in resolved.items() if k not in NOT_PROTOCOL}
+    """A stable digest of everything that can change a run's result: the config without its runtime keys."""
+    kept = protocol_part(resolved)
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -121,12 +126,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: float) -> list[str]:
+def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: float,
+                    now: float | None = None) -> list[str]:
     """Mark RUNNING runs whose process is gone KILLED, so nobody reads them as results.
 
     A run is stale when its process on this host no longer exists, or when its
-    heartbeat (refreshed at each evaluation) is older than `stale_after_s`.
+    heartbeat (refreshed at each evaluation) is older than `stale_after_s` at `now`
+    (default: the current time).
     """
+    now = time.time() if now is None else now
     marked = []
     for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=50_000):
         tags = run.data.tags
@@ -134,8 +142,8 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
         beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
         if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
             reason = f"process {pid} on {host} is gone"
-        elif time.time() - beat > stale_after_s:
-            reason = f"no heartbeat for {time.time() - beat:.0f} s"
+        elif now - beat > stale_after_s:
+            reason = f"no heartbeat for {now - beat:.0f} s"
         else:
             continue
         client.set_tag(run.info.run_id, "gaexp.killed_reason", reason)
@@ -177,6 +185,16 @@ def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
         Metric("valid_acc", point.valid_acc, now, point.step),
         Metric("train_loss", point.train_loss, now, point.step),
     ], tags=[RunTag(HEARTBEAT, f"{now / 1000:.0f}")])
+
+
+class MlflowLogger(Hook):
+    """Every evaluation into the run, as it happens (so a crash keeps the history so far)."""
+
+    def __init__(self, client: MlflowClient, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    def after_eval(self, point: EvalPoint) -> None:
+        log_eval_point(self.client, self.run_id, point)
 
 
 def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wall_seconds: float,

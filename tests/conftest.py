@@ -1,17 +1,28 @@
-"""Shared fixtures: the real MNIST (built offline once by `make data`) and small slices of it."""
+"""Shared fixtures: the real MNIST (built offline once by `make data`), small slices of it, one way to
+compose the real config, one tiny budget, and one way to run the real command."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from mlflow.tracking import MlflowClient
 
+from gaexp import analysis
+from gaexp.config import CONFIG_DIR
 from gaexp.data import Split, ensure_mnist, load_split
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
+# The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report.
+TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "analysis.window_start=0"]
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +46,48 @@ def valid_split(data_root: Path) -> Split:
 def small_valid(valid_split: Split) -> Split:
     """The first 500 test images: enough to check evaluation, cheap enough to run often."""
     return Split(valid_split.images[:500], valid_split.labels[:500])
+
+
+@pytest.fixture(scope="session")
+def compose(data_root):
+    """compose(*overrides, outputs=None, hydra=False): the real config from conf/. With `outputs`, every
+    generated file goes there and the data is the test data; `hydra=True` keeps the hydra node and makes
+    it the current HydraConfig (so `${hydra:...}` resolves, as in a job)."""
+    def make(*overrides: str, outputs: Path | None = None, hydra: bool = False):
+        base = [] if outputs is None else [f"paths.outputs={outputs}", f"data.root={data_root}", "data.sources=[local]"]
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = hydra_compose("config", overrides=[*base, *overrides], return_hydra_config=hydra)
+        if hydra:
+            HydraConfig.instance().set_config(cfg)
+        return cfg
+    return make
+
+
+@pytest.fixture(scope="session")
+def gaexp_argv(data_root):
+    """gaexp_argv(out, *overrides): the public command, a multirun at the tiny budget writing under `out`."""
+    def argv(out: Path, *overrides: str) -> list[str]:
+        return [sys.executable, "-m", "gaexp", "-m", *TINY, f"paths.outputs={out}", f"data.root={data_root}",
+                "data.sources=[local]", *overrides]
+    return argv
+
+
+@pytest.fixture(scope="session")
+def gaexp_command(gaexp_argv):
+    """gaexp_command(out, *overrides, env=None): run gaexp_argv(out, *overrides) in `out`, output captured."""
+    def run(out: Path, *overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(gaexp_argv(out, *overrides), cwd=out, capture_output=True, text=True, timeout=timeout,
+                              env=env)
+    return run
+
+
+@pytest.fixture(scope="session")
+def training_runs():
+    """training_runs(uri, experiment="gaexp"): the client and the training runs by run name (reports left out)."""
+    def find(uri: str, experiment: str = "gaexp") -> tuple[MlflowClient, dict]:
+        client = MlflowClient(uri)
+        return client, analysis.training_runs(client, experiment)
+    return find
 
 
 @pytest.fixture(scope="session")

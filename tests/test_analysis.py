@@ -7,8 +7,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, tracking
-from gaexp.analysis import AnalysisError, collect, plot_curves, summarize
-from gaexp.train import EvalPoint
+from gaexp.analysis import AnalysisError, collect, load_study, plot_curves, summarize
+from gaexp.config import AnalysisConfig
+from gaexp.hooks import EvalPoint
+
+STUDY = AnalysisConfig()  # the study's design: conf/experiment/spec.yaml states the same
 
 STEPS = (300, 600, 900)
 # (norm, regime, seed) -> valid_acc at STEPS; chosen so every mean can be checked by hand
@@ -60,7 +63,7 @@ def test_collect_is_tidy(store):
 
 def test_table_equals_hand_computed_means(store):
     client, _, _ = store
-    summary = summarize(collect(client, "gaexp").data)
+    summary = summarize(collect(client, "gaexp").data, STUDY)
     table = summary.table
     assert list(table.columns) == ["bs16a1", "bs1a16", "bs4a4"] and list(table.index) == ["bn", "gn4"]
     assert table.loc["bn", "bs16a1"] == pytest.approx((0.90 + 0.92 + 0.94 + 0.80 + 0.82 + 0.84) / 6, abs=1e-12)
@@ -76,16 +79,16 @@ def test_table_equals_hand_computed_means(store):
 
 def test_window_start_keeps_only_later_evaluations(store):
     client, _, _ = store
-    summary = summarize(collect(client, "gaexp").data, window_start=600)
+    summary = summarize(collect(client, "gaexp").data, AnalysisConfig(window_start=600))
     assert summary.table.loc["bn", "bs16a1"] == pytest.approx((0.94 + 0.84) / 2, abs=1e-12)
     assert summary.table.loc["bn", "bs1a16"] == pytest.approx((0.70 + 0.50) / 2, abs=1e-12)
     with pytest.raises(AnalysisError, match="no evaluation after step 900"):
-        summarize(collect(client, "gaexp").data, window_start=900)
+        summarize(collect(client, "gaexp").data, AnalysisConfig(window_start=900))
 
 
 def test_paired_differences_with_t_intervals(store):
     client, _, _ = store
-    paired = summarize(collect(client, "gaexp").data).paired.set_index(["norm", "regime"])
+    paired = summarize(collect(client, "gaexp").data, STUDY).paired.set_index(["norm", "regime"])
     diffs = np.array([0.6 - 0.92, 0.45 - 0.82])  # per seed: windowed means of bs1a16 minus bs16a1
     half = 12.706204736174707 * diffs.std(ddof=1) / np.sqrt(2)  # t(0.975, df=1)
     bn = paired.loc[("bn", "bs1a16")]
@@ -101,7 +104,7 @@ def test_ranking_on_bs1a16_against_both_baselines(store, tmp_path):
     for norm, seed, accs in [("in", 1, (0.95, 0.96, 0.97)), ("in", 2, (0.93, 0.94, 0.95)),
                              ("bn_microeval", 1, (0.93, 0.94, 0.95)), ("bn_microeval", 2, (0.90, 0.91, 0.92))]:
         add_run(client, experiment_id, norm, "bs1a16", seed, accs)
-    summary = summarize(collect(client, "gaexp").data)
+    summary = summarize(collect(client, "gaexp").data, STUDY)
     ranking = summary.ranking.set_index("norm")
     assert list(ranking.index) == ["in", "bn_microeval", "gn4", "bn"]  # by mean: 0.95, 0.925, 0.89, 0.525
     assert list(ranking["rank"]) == [1, 2, 3, 4] and ranking.loc["bn_microeval", "mean"] == pytest.approx(0.925)
@@ -123,7 +126,7 @@ def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
     add_run(client, experiment_id, "gn4", "bs1a1", 1, (0.5, 0.6, 0.7))
     collected = collect(client, "gaexp")
     assert collected.excluded.run_name.tolist() == ["gn4-bs4a4-s1"] and collected.excluded.status.tolist() == ["FAILED"]
-    summary = summarize(collected.data)
+    summary = summarize(collected.data, STUDY)
     assert np.isnan(summary.table.loc["gn4", "bs4a4"])
     assert summary.missing == ["gn4/bs1a1: 1 of 2 seeds", "gn4/bs4a4: no run"]
     analysis.export(collected, summary, tmp_path / "report")
@@ -132,11 +135,28 @@ def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
     assert "Excluded runs (not FINISHED): gn4-bs4a4-s1 (FAILED)" in text
 
 
+def test_studies_are_config_files():
+    assert load_study("spec") == STUDY
+    fixes = load_study("bn_fixes")
+    assert fixes.norm_order[:4] == ["bn", "in", "ln", "in_affine"] and fixes.baselines == STUDY.baselines
+    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'spec'\]"):
+        load_study("nope")
+
+
+def test_a_study_design_changes_the_report(store):
+    client, _, _ = store
+    design = AnalysisConfig(table_columns=["bs16a1", "bs4a4"], ranked_regime="bs4a4", baselines=["bn/bs16a1"])
+    summary = summarize(collect(client, "gaexp").data, design)
+    assert list(summary.table.columns) == ["bs16a1", "bs4a4"] and list(summary.paired.regime) == ["bs4a4"]
+    assert list(summary.ranking.norm) == ["bn"] and "vs bn/bs16a1" in summary.ranking.columns
+    assert "vs in/bs1a16" not in summary.ranking.columns
+
+
 def test_different_protocols_are_refused(store):
     client, experiment_id, _ = store
     add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.9, 0.9), num_iterations=1200, eval_period=600)
     with pytest.raises(AnalysisError, match="2 different protocols .*num_iterations=1200.*--sweep"):
-        summarize(collect(client, "gaexp").data)
+        summarize(collect(client, "gaexp").data, STUDY)
 
 
 def test_sweep_selection(store):
@@ -199,11 +219,11 @@ def test_memory_table_per_regime(tmp_path):
                     summary={"activation_mb": act, "samples_per_sec": speed * seed, "wall_seconds": 10.0 * seed,
                              "peak_rss_mb": rss})
     collected = collect(client, "gaexp")
-    memory = analysis.memory_table(collected.runs)
+    memory = analysis.memory_table(collected.runs, STUDY)
     assert list(memory.index) == ["bs1a16", "bs4a4", "bs16a1"]
     assert memory.loc["bs1a16", "activation_vs_bs16a1"] == 0.5 / 8.0
     assert memory.loc["bs4a4", ["micro_batch", "effective_batch", "runs"]].tolist() == [4, 16, 2]
     assert memory.loc["bs1a16", "samples_per_sec"] == 450.0 and memory.loc["bs16a1", "peak_rss_mb"] == 1000.0
     assert "cuda_max_mem_mb" not in memory.columns  # never logged on the CPU
-    analysis.export(collected, summarize(collected.data), tmp_path / "r")
+    analysis.export(collected, summarize(collected.data, STUDY), tmp_path / "r")
     assert "| bs1a16 | 1 | 16 | 2 | 0.062 | 0.50 | 450 | 15 | 1000 |" in (tmp_path / "r" / "table.md").read_text()

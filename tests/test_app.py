@@ -7,22 +7,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-from gaexp.app import CONFIG_DIR, run_cell, threads_for
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cell_config(tmp_path, data_root, *overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("config", overrides=[f"paths.outputs={tmp_path}", f"data.root={data_root}",
-                                            "data.sources=[local]", "device=cpu", *overrides])
+from gaexp.app import prepare, run_cell, threads_for
+from tests.conftest import TINY
 
 
-def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
-    cfg = cell_config(tmp_path, data_root, "norm=gn16", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=2")
+def prepared(cfg):
+    """What PrepareCallback does once per command, then the config for run_cell."""
+    prepare(cfg)
+    return cfg
+
+
+def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, compose):
+    cfg = prepared(compose(*TINY, "norm=gn16", "regime=bs4a4", "train.num_iterations=3", outputs=tmp_path))
     accuracy = run_cell(cfg, sweep_id="test")
     client = MlflowClient(cfg.mlflow.tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
@@ -35,27 +33,24 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, data_root):
     assert run.data.metrics["activation_mb"] == pytest.approx(1.9116, rel=1e-3)  # GroupNorm(16), 4 images: ~0.48 MiB each
 
 
-def test_compiled_model_trains_like_the_eager_one(tmp_path, data_root):
-    overrides = ["norm=gn4", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=3"]
-    eager = run_cell(cell_config(tmp_path / "eager", data_root, *overrides), sweep_id="eager")
-    compiled = run_cell(cell_config(tmp_path / "compiled", data_root, *overrides, "compile=true"), sweep_id="compiled")
+@pytest.mark.slow
+def test_compiled_model_trains_like_the_eager_one(tmp_path, compose):
+    overrides = [*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=3"]
+    eager = run_cell(prepared(compose(*overrides, outputs=tmp_path / "eager")), sweep_id="eager")
+    compiled = run_cell(prepared(compose(*overrides, "compile=true", outputs=tmp_path / "compiled")), sweep_id="compiled")
     assert compiled == pytest.approx(eager, abs=2e-3)
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, data_root):
+def sweep(tmp_path_factory, gaexp_command, training_runs):
     out = tmp_path_factory.mktemp("sweep")
-    cmd = [sys.executable, "-m", "gaexp", "-m", "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1",
-           "train.num_iterations=4", "train.eval_period=2", f"paths.outputs={out}",
-           f"data.root={data_root}", "data.sources=[local]", "device=cpu",
-           "hydra.callbacks.report.window_start=0"]
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=900)
+    proc = gaexp_command(out, "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
-    return out, client, {run.info.run_name: run for run in runs if "norm" in run.data.tags}
+    client, runs = training_runs(f"sqlite:///{out}/mlflow.db")
+    return out, client, runs
 
 
+@pytest.mark.slow
 def test_sweep_records_one_finished_run_per_cell(sweep):
     _, _, runs = sweep
     assert sorted(runs) == ["bn-bs16a1-s1", "bn-bs1a16-s1", "gn4-bs16a1-s1", "gn4-bs1a16-s1"]
@@ -65,6 +60,7 @@ def test_sweep_records_one_finished_run_per_cell(sweep):
     assert len({run.data.tags["sweep_id"] for run in runs.values()}) == 1
 
 
+@pytest.mark.slow
 def test_sweep_histories_and_summaries(sweep):
     _, client, runs = sweep
     for run in runs.values():
@@ -78,6 +74,7 @@ def test_sweep_histories_and_summaries(sweep):
     assert abs(ratio - 1 / 16) < 0.005  # what accumulation saves
 
 
+@pytest.mark.slow
 def test_accumulation_matches_the_true_batch_end_to_end(sweep):
     """GroupNorm: 1x16 and 16x1 follow the same trajectory; BatchNorm does not."""
     _, _, runs = sweep
@@ -86,6 +83,7 @@ def test_accumulation_matches_the_true_batch_end_to_end(sweep):
     assert runs["bn-bs1a16-s1"].data.metrics["train_loss"] != pytest.approx(runs["bn-bs16a1-s1"].data.metrics["train_loss"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_sweep_artifacts_and_folders(sweep):
     out, client, runs = sweep
     run_id = runs["gn4-bs16a1-s1"].info.run_id
@@ -96,12 +94,13 @@ def test_sweep_artifacts_and_folders(sweep):
     assert "name: gn4" in config and "num_iterations: 4" in config
     (sweep_dir,) = (out / "multirun").iterdir()
     cells = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
-    assert cells[0] == "norm=bn,regime=bs16a1,seed=1,train.eval_period=2,train.num_iterations=4"
+    assert cells[0] == "device=cpu,norm=bn,regime=bs16a1,seed=1,train.eval_period=2,train.num_iterations=4"
     assert len(cells) == 4 and (sweep_dir / cells[0] / "gaexp.log").is_file()  # job name, not __main__
     assert runs["gn4-bs16a1-s1"].data.tags["sweep_id"] == sweep_dir.name
     assert (out / "mlartifacts").is_dir()
 
 
+@pytest.mark.slow
 def test_sweep_end_writes_the_report_and_logs_it_to_mlflow(sweep):
     out, client, runs = sweep
     sweep_id = runs["bn-bs1a16-s1"].data.tags["sweep_id"]
@@ -112,6 +111,31 @@ def test_sweep_end_writes_the_report_and_logs_it_to_mlflow(sweep):
     assert {"table.md", "curves.png", "curves.pdf", "runs.csv"} <= {a.path for a in client.list_artifacts(report.info.run_id)}
 
 
+@pytest.mark.slow
+def test_the_study_file_runs_the_same_cells_as_the_written_out_grid(sweep, tmp_path, gaexp_command, training_runs):
+    """`+experiment=spec` (what make sweep runs), its grid narrowed on the command line, against the
+    fixture's written-out grid: the same cells, folders, protocol keys, histories and table."""
+    out, client, runs = sweep
+    proc = gaexp_command(tmp_path, "+experiment=spec", "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study_client, study_runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    assert sorted(study_runs) == sorted(runs)
+    for name, run in runs.items():
+        twin = study_runs[name]
+        assert twin.data.tags["protocol_key"] == run.data.tags["protocol_key"]
+        for metric in ("valid_acc", "train_loss"):
+            assert ([(m.step, m.value) for m in study_client.get_metric_history(twin.info.run_id, metric)]
+                    == [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric)])
+    folders = [sorted(p.name for p in next((root / "multirun").iterdir()).iterdir() if p.is_dir()) for root in (out, tmp_path)]
+    assert folders[0] == folders[1]
+
+    def table(root):  # the accuracy tables; the memory and speed table after them differs run to run
+        text = next((root / "reports").iterdir()).joinpath("table.md").read_text()
+        return text.split("Memory and speed")[0]
+    assert table(out) == table(tmp_path)
+
+
+@pytest.mark.slow
 def test_report_cli_on_the_real_sweep(sweep, tmp_path):
     out, client, runs = sweep
     cli = [sys.executable, "-m", "gaexp.analysis", "--tracking-uri", f"sqlite:///{out}/mlflow.db"]
@@ -133,5 +157,3 @@ def test_threads_auto_fills_the_cores_across_parallel_jobs():
     assert threads_for("auto", -1, cores=8) == 1  # joblib's default: one job per core
     assert threads_for("auto", -2, cores=8) == 1 and threads_for("auto", 16, cores=8) == 1
     assert threads_for(3, 2, cores=8) == 3
-    with pytest.raises(ValueError, match=r"threads='many'; valid: auto or an integer >= 0"):
-        threads_for("many", None)

@@ -1,64 +1,188 @@
+"""The typed schema: what composes, what it refuses and how, and what its runtime mark derives."""
+
 from __future__ import annotations
 
+import ast
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
-from gaexp.app import CONFIG_DIR
-from gaexp.config import norm_options, regime_name
+from gaexp import tracking
+from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, markdown_table, protocol_part,
+                          regime_name, runtime_keys, typed)
 from gaexp.model import SimpleModel
 from gaexp.norms import NORMS
 from gaexp.train import train
 
 NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
 REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
+REPO = Path(__file__).resolve().parent.parent
 
 
-def compose_cfg(*overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
-def test_defaults_are_the_spec_protocol(tmp_path, monkeypatch):
+def test_defaults_are_the_study_protocol(compose, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = compose_cfg()
-    assert (cfg.norm.name, cfg.regime.batch_size, cfg.regime.num_accum, cfg.seed) == ("bn", 16, 1, 1)
-    assert (cfg.train.num_iterations, cfg.train.eval_period, cfg.train.lr, cfg.train.loss_window) == (3600, 300, 1e-3, 100)
-    assert (cfg.device, cfg.threads, cfg.compile) == ("auto", "auto", False)
+    c = typed(compose())
+    assert isinstance(c, Config) and isinstance(c.regime, RegimeConfig)
+    assert (c.norm.name, c.regime.batch_size, c.regime.num_accum, c.seed) == ("bn", 16, 1, 1)
+    assert (c.train.num_iterations, c.train.eval_period, c.train.lr, c.train.loss_window) == (3600, 300, 1e-3, 100)
+    assert (c.device, c.threads, c.compile, c.cells_at_once) == ("auto", "auto", False, None)
     # every path is absolute and under outputs/ of the launch folder
-    assert cfg.data.root == str(tmp_path / "outputs" / "data")
-    assert cfg.mlflow.tracking_uri == f"sqlite:///{tmp_path}/outputs/mlflow.db"
-    assert cfg.mlflow.artifact_location == str(tmp_path / "outputs" / "mlartifacts")
+    assert c.data.root == str(tmp_path / "outputs" / "data")
+    assert c.mlflow.tracking_uri == f"sqlite:///{tmp_path}/outputs/mlflow.db"
+    assert c.mlflow.artifact_location == str(tmp_path / "outputs" / "mlartifacts")
+    assert c.analysis == AnalysisConfig() and c.analysis.baseline_cells() == [("bn", "bs16a1"), ("in", "bs1a16")]
 
 
 def test_config_groups_match_the_registry():
-    assert sorted(NORM_CHOICES) == sorted(NORMS)
+    assert sorted(NORM_CHOICES) == sorted(NORMS) == sorted(p.stem for p in (REPO / "conf" / "norm").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("norm,regime", list(itertools.product(NORM_CHOICES, REGIMES)))
-def test_every_cell_composes_and_trains(norm, regime, train_split, small_valid):
-    cfg = compose_cfg(f"norm={norm}", f"regime={regime}", "seed=2", "train.num_iterations=2", "train.eval_period=1")
-    assert (cfg.regime.batch_size, cfg.regime.num_accum) == REGIMES[regime]
-    assert regime_name(cfg.regime.batch_size, cfg.regime.num_accum) == regime
-    torch.manual_seed(cfg.seed)
-    history = train(SimpleModel(cfg.norm.name, **norm_options(cfg.norm)).to(memory_format=torch.channels_last), train_split, small_valid,
-                    batch_size=cfg.regime.batch_size, num_accum=cfg.regime.num_accum,
-                    num_iterations=cfg.train.num_iterations, eval_period=cfg.train.eval_period,
-                    lr=cfg.train.lr, seed=cfg.seed, progress=False)
+def test_every_cell_composes_and_trains(norm, regime, compose, train_split, small_valid):
+    c = typed(compose(f"norm={norm}", f"regime={regime}", "seed=2", "train.num_iterations=2", "train.eval_period=1"))
+    assert (c.regime.batch_size, c.regime.num_accum) == REGIMES[regime] and c.regime.name == regime
+    torch.manual_seed(c.seed)
+    model = SimpleModel(c.norm.name, **c.norm.options()).to(memory_format=torch.channels_last)
+    history = train(model, train_split, small_valid, c.train, c.regime, c.seed)
     assert [p.step for p in history] == [1, 2]
     assert all(0.0 <= p.valid_acc <= 1.0 and p.train_loss > 0 for p in history)
 
 
-def test_plain_overrides_of_batch_and_accumulation():
-    cfg = compose_cfg("regime.batch_size=2", "regime.num_accum=8")
-    assert regime_name(cfg.regime.batch_size, cfg.regime.num_accum) == "bs2a8"
+def test_norm_options_follow_the_regime(compose):
+    c = typed(compose("norm=bn_precise", "regime=bs4a4"))
+    assert c.norm.options() == {"stats_batch_size": 16, "stats_samples": 4096}
+    assert typed(compose("norm=brn", "regime=bs1a16")).norm.options() == {
+        "num_accum": 16, "r_max": 3.0, "d_max": 5.0, "warmup_steps": 300, "ramp_steps": 1200}
+    assert typed(compose("norm=bn_microeval", "regime=bs4a4")).norm.micro_batch == 4
+    assert typed(compose("norm=bn")).norm.options() == {}
 
 
-def test_unknown_norm_is_rejected_with_the_choices():
+def test_plain_overrides_of_batch_and_accumulation(compose):
+    c = typed(compose("regime.batch_size=2", "regime.num_accum=8"))
+    assert c.regime.name == regime_name(2, 8) == "bs2a8" and c.run_name == "bn-bs2a8-s1"
+
+
+def test_unknown_norm_is_rejected_with_the_choices(compose):
     with pytest.raises(ConfigCompositionException) as info:
-        compose_cfg("norm=batchnorm")
+        compose("norm=batchnorm")
     message = str(info.value)
     assert "batchnorm" in message and all(name in message for name in NORM_CHOICES)
+    assert "plain" not in message  # the schemas live in their own group, never offered as a choice
+
+
+# Composition refuses wrong types and unknown keys, naming the key; ranges (and keys forced in with +)
+# are checked when the config becomes objects, naming the key, the value and what is valid.
+COMPOSE_ERRORS = {
+    "type": (["regime.batch_size=abc"], "regime.batch_size"),
+    "unknown key": (["norm=bn", "norm.groups=4"], "Could not override 'norm.groups'"),
+    "option of another norm": (["norm=bn", "norm.r_max=2"], "Could not override 'norm.r_max'"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPOSE_ERRORS))
+def test_composition_refuses_wrong_types_and_unknown_keys(case, compose):
+    overrides, message = COMPOSE_ERRORS[case]
+    with pytest.raises(ConfigCompositionException) as info:
+        compose(*overrides)
+    assert message in str(info.value) + str(info.value.__cause__)
+
+
+RANGE_ERRORS = {
+    "batch size": (["regime.batch_size=0"], r"regime.batch_size=0; valid: an integer >= 1"),
+    "accumulation": (["regime.num_accum=-2"], r"regime.num_accum=-2; valid: an integer >= 1"),
+    "iterations": (["train.num_iterations=0"], r"train.num_iterations=0; valid: an integer >= 1"),
+    "eval period": (["train.eval_period=0"], r"train.eval_period=0; valid: an integer >= 1"),
+    "learning rate": (["train.lr=-1"], r"train.lr=-1.0; valid: a finite number > 0"),
+    "infinite lr": (["train.lr=inf"], r"train.lr=inf; valid: a finite number > 0"),
+    "device": (["device=tpu"], r"device='tpu'; valid: auto, cpu, cuda"),
+    "threads": (["threads=many"], r"threads='many'; valid: auto or an integer >= 0"),
+    "file store": (["mlflow.tracking_uri=./mlruns"], r"mlflow.tracking_uri='./mlruns'; valid: sqlite:///"),
+    "groups": (["norm=gn", "norm.groups=0"], r"norm.groups=0; valid: an integer >= 1"),
+    "r_max": (["norm=brn", "norm.r_max=0.5"], r"norm.r_max=0.5; valid: a finite number >= 1.0"),
+    "momentum": (["norm=bn_kmom", "norm.momentum=1.5"], r"norm.momentum=1.5; valid: a number in \(0, 1\]"),
+    "stats samples": (["norm=bn_precise", "norm.stats_samples=0"], r"norm.stats_samples=0; valid: an integer >= 1"),
+    "reference": (["analysis.reference=bs1a1"], r"analysis.reference='bs1a1'; valid: one of analysis.table_columns"),
+    "key forced in": (["norm=bn", "+norm.groups=4"], r"norm.groups is not a key of norm=bn; valid: name$"),
+    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: norm, regime, seed, device, train, "),
+    "nested key forced in": (["+train.learning_rate=0.1"], r"train.learning_rate is not a key of train; valid: "
+                                                            r"num_iterations, eval_period, lr, loss_window, eval_batch_size"),
+}
+
+
+@pytest.mark.parametrize("case", list(RANGE_ERRORS))
+def test_ranges_and_forced_keys_are_checked_when_the_config_becomes_objects(case, compose):
+    overrides, message = RANGE_ERRORS[case]
+    cfg = compose(*overrides)  # types are right: composition accepts it
+    with pytest.raises(ValueError, match=message):
+        typed(cfg)
+
+
+def test_a_micro_batch_option_of_the_wrong_type_is_refused(compose):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("norm=bn_microeval", "norm.micro_batch=2.5")
+    assert "norm.micro_batch" in str(info.value) + str(info.value.__cause__)
+
+
+def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
+    runtime = runtime_keys()
+    assert {"threads", "compile", "rerun", "progress", "cells_at_once", "paths.outputs", "data.root", "data.sources",
+            "mlflow.tracking_uri", "mlflow.experiment_name", "analysis.window_start"} <= set(runtime)
+    assert not {"seed", "device", "train.lr", "regime.batch_size"} & set(runtime)
+    assert PROTOCOL_COLUMNS == ["device", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
+                                "train.eval_batch_size"]
+    excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
+    assert list(excluded) == ["launch", "experiment", *runtime]
+    resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4"), resolve=True)
+    assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}
+    assert protocol_part(resolved)["norm"] == {"name": "gn", "groups": 8}
+
+
+PROTOCOL_KEY_GN4_BS4A4 = "0a648bac67732a7c"  # tag protocol_key of gn4-bs4a4-s1, 40 steps, recorded by d106f35
+
+
+def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema():
+    """A config as the untyped conf/ composed it (before the schema, with no cells_at_once or analysis)
+    keeps its key, so existing stores still resume. Digest taken from a run recorded by that version."""
+    before = {"norm": {"name": "gn4"}, "regime": {"batch_size": 4, "num_accum": 4}, "seed": 1, "device": "auto",
+              "threads": "auto", "compile": False, "rerun": False, "progress": None,
+              "train": {"num_iterations": 40, "eval_period": 20, "lr": 0.001, "loss_window": 100, "eval_batch_size": 256},
+              "paths": {"outputs": "/x"}, "data": {"root": "/x/data", "sources": ["local"]},
+              "mlflow": {"tracking_uri": "sqlite:////x/mlflow.db", "experiment_name": "gaexp",
+                         "artifact_location": "/x/mlartifacts", "stale_after_s": 3600}}
+    now = {**before, "cells_at_once": 2, "analysis": {"window_start": 0}}
+    assert tracking.protocol_key(before) == tracking.protocol_key(now) == PROTOCOL_KEY_GN4_BS4A4
+
+
+
+def test_the_docs_key_table_is_generated_from_the_schema():
+    usage = (REPO / "docs" / "usage.md").read_text()
+    block = re.search(r"<!-- config-keys:begin -->\n(.*?)\n<!-- config-keys:end -->", usage, re.S)
+    assert block, "docs/usage.md lost its config-keys markers"
+    assert block.group(1) == markdown_table(), "regenerate it: make docs"
+    assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
+
+
+LAYERS = ["config", "data", "hooks", "norms", "model", "memory", "train", "tracking", "analysis", "compare", "bench",
+          "app", "__main__"]
+
+
+def test_imports_point_down():
+    """Each module imports only gaexp modules below it (config at the bottom, the app at the top)."""
+    package = REPO / "gaexp"
+    assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
+    for module in LAYERS:
+        tree = ast.parse((package / f"{module}.py").read_text())
+        imported = {alias.name.split(".")[1] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for alias in n.names if alias.name.startswith("gaexp.")}
+        imported |= {n.module.split(".")[1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                     and n.module and n.module.startswith("gaexp.")}
+        imported |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "gaexp"
+                     for alias in n.names}
+        above = [m for m in imported if LAYERS.index(m) >= LAYERS.index(module)]
+        assert not above, f"gaexp/{module}.py imports {above}, which sit above it"

@@ -4,11 +4,12 @@ import pytest
 import torch
 from torch import nn
 
+from gaexp.config import typed
 from gaexp.model import SimpleModel
 from gaexp.norms import NORMS, norm2d
 
 
-def test_registry_keeps_spec_defaults():
+def test_registry_keeps_the_study_defaults():
     bn = norm2d("bn", 32)
     assert isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.momentum == 0.1 and bn.track_running_stats
     inorm = norm2d("in", 32)
@@ -20,9 +21,16 @@ def test_registry_keeps_spec_defaults():
 
 
 def test_unknown_norm_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown norm 'layernorm'; valid: \['bn', 'bn_kmom', 'bn_microeval', "
+    with pytest.raises(ValueError, match=r"norm.name='layernorm'; valid: \['bn', 'bn_kmom', 'bn_microeval', "
                                          r"'bn_precise', 'brn', 'gn', 'gn16', 'gn4', 'in', 'in_affine', 'ln', 'none'\]"):
         norm2d("layernorm", 32)
+
+
+def test_group_count_must_divide_every_layer():
+    with pytest.raises(ValueError, match=r"norm.groups=5 does not divide the channels \[32, 64, 128, 256\]; "
+                                         r"valid: \[1, 2, 4, 8, 16, 32\]"):
+        SimpleModel("gn", groups=5)
+    assert SimpleModel("gn", groups=32).features[1].num_groups == 32
 
 
 def test_simple_model_shapes_and_size():
@@ -38,13 +46,11 @@ def test_simple_model_shapes_and_size():
     assert model.features[:-1](torch.rand(1, 1, 28, 28)).shape[-2:] == (3, 3)
 
 
-def test_every_norm_starts_from_the_same_weights():
-    options = {"gn": {"groups": 8}, "bn_precise": {"stats_batch_size": 16, "stats_samples": 64},
-               "bn_microeval": {"micro_batch": 1}, "brn": {"num_accum": 16}, "bn_kmom": {"num_accum": 16}}
-
+def test_every_norm_starts_from_the_same_weights(compose):
     def convs(norm):
+        options = typed(compose(f"norm={norm}", "regime=bs1a16")).norm.options()  # the schema's defaults
         torch.manual_seed(7)
-        model = SimpleModel(norm, **options.get(norm, {}))
+        model = SimpleModel(norm, **options)
         return [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     reference = convs("bn")

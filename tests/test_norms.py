@@ -8,10 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.model import SimpleModel
-from gaexp.norms import (BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, check_options, kmom,
+from gaexp.norms import (BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, hooks_for, kmom,
                          norm2d, precise_statistics)
 from gaexp.train import train
+
+BN_LIKE = dict(r_max=1.0, d_max=0.0, warmup_steps=0, ramp_steps=0)  # Batch Renorm with no correction: BatchNorm
 
 
 def batches_with_shifting_means(n_batches=5, size=4, channels=3, seed=0):
@@ -77,7 +80,7 @@ def test_micro_batch_one_evaluation_is_the_per_sample_result():
 
 def test_batch_renorm_with_r_one_and_d_zero_is_batch_norm():
     torch.manual_seed(0)
-    brn = BatchRenorm2d(3, num_accum=1, r_max=1.0, d_max=0.0).double()
+    brn = BatchRenorm2d(3, num_accum=1, **BN_LIKE).double()
     bn = nn.BatchNorm2d(3).double()
     with torch.no_grad():
         for layer in (brn, bn):
@@ -124,7 +127,7 @@ def test_batch_renorm_warm_up_counts_optimizer_steps_not_micro_batches():
 def test_k_momentum_decays_like_one_update_per_optimizer_step():
     k = 16
     assert kmom(0.1, 1) == pytest.approx(0.1)
-    layer, reference = norm2d("bn_kmom", 2, num_accum=k), nn.BatchNorm2d(2)
+    layer, reference = norm2d("bn_kmom", 2, num_accum=k, momentum=0.1), nn.BatchNorm2d(2)
     assert layer.momentum == pytest.approx(1 - 0.9 ** (1 / 16)) and layer.momentum == pytest.approx(0.006563, abs=1e-6)
     x = torch.full((1, 2, 3, 3), 5.0) + torch.arange(9.0).reshape(1, 1, 3, 3)
     for _ in range(k):
@@ -140,34 +143,27 @@ def test_ln_and_in_affine():
     assert isinstance(ina, nn.InstanceNorm2d) and ina.affine and not ina.track_running_stats
 
 
-@pytest.mark.parametrize("name, options, message", [
-    ("bn", {"groups": 4}, r"norm.groups is not an option of norm=bn; valid: none"),
-    ("brn", {"num_accum": 1, "r_max": 0.5}, r"norm.r_max=0.5; valid: a number >= 1.0"),
-    ("brn", {}, r"norm=brn needs norm.num_accum; valid options: \['num_accum', 'r_max', 'd_max', 'warmup_steps', 'ramp_steps'\]"),
-    ("bn_kmom", {"num_accum": 16, "momentum": 1.5}, r"norm.momentum=1.5; valid: a number in \[1e-09, 1.0\]"),
-    ("bn_precise", {"stats_batch_size": 16, "stats_samples": 0}, r"norm.stats_samples=0; valid: an integer >= 1"),
-    ("bn_microeval", {"micro_batch": 2.5}, r"norm.micro_batch=2.5; valid: an integer >= 1"),
-])
-def test_bad_norm_options_name_the_value_and_the_valid_ones(name, options, message):
-    with pytest.raises(ValueError, match=message):
-        check_options(name, options)
-
-
 def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
     """bn_precise, bn_microeval and bn_kmom differ from bn only in evaluation statistics: same weights after training."""
     def trained(norm, **options):
         torch.manual_seed(3)
         model = SimpleModel(norm, **options)
-        history = train(model, train_split, small_valid, batch_size=1, num_accum=4, num_iterations=6, eval_period=3,
-                        lr=1e-3, seed=3, progress=False)
+        history = train(model, train_split, small_valid, TrainConfig(num_iterations=6, eval_period=3), RegimeConfig(1, 4),
+                        seed=3, hooks=hooks_for(model, train_split, seed=3))
         return model, history
 
     bn, bn_history = trained("bn")
     for norm, options in [("bn_precise", {"stats_batch_size": 4, "stats_samples": 64}), ("bn_microeval", {"micro_batch": 1}),
-                          ("bn_kmom", {"num_accum": 4})]:
+                          ("bn_kmom", {"num_accum": 4, "momentum": 0.1})]:
         model, history = trained(norm, **options)
         assert all(torch.equal(a, b) for a, b in zip(bn.parameters(), model.parameters())), norm
         assert [p.train_loss for p in history] == [p.train_loss for p in bn_history], norm
     precise, _ = trained("bn_precise", stats_batch_size=4, stats_samples=64)
     layer = next(m for m in precise.modules() if isinstance(m, PreciseBatchNorm2d))
     assert not torch.allclose(layer.running_mean, next(m for m in bn.modules() if isinstance(m, nn.BatchNorm2d)).running_mean)
+
+
+def test_only_precise_bn_registers_a_hook(train_split):
+    assert hooks_for(SimpleModel("bn"), train_split, seed=1) == []
+    (hook,) = hooks_for(SimpleModel("bn_precise", stats_batch_size=4, stats_samples=64), train_split, seed=1)
+    assert isinstance(hook, PreciseStatistics) and (hook.batch_size, hook.samples) == (4, 64)

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
-from gaexp.train import EvalPoint
+from gaexp.hooks import EvalPoint
 
 
 @pytest.fixture
@@ -66,10 +67,12 @@ def test_flatten():
 def test_protocol_key_ignores_what_cannot_change_a_result():
     base = {"norm": {"name": "bn"}, "regime": {"batch_size": 1, "num_accum": 16}, "seed": 1, "train": {"lr": 0.001},
             "device": "auto", "paths": {"outputs": "/a"}, "mlflow": {"tracking_uri": "sqlite:////a/m.db"},
-            "progress": None, "threads": "auto", "compile": False, "rerun": False, "data": {"root": "/a/data"}}
+            "progress": None, "threads": "auto", "compile": False, "rerun": False, "data": {"root": "/a/data"},
+            "cells_at_once": None, "analysis": {"window_start": 250}}
     key = tracking.protocol_key(base)
     moved = {**base, "paths": {"outputs": "/b"}, "mlflow": {"tracking_uri": "http://h:5000"}, "threads": 1,
-             "progress": True, "rerun": True, "data": {"root": "/b/data"}}
+             "progress": True, "rerun": True, "data": {"root": "/b/data"}, "cells_at_once": 4,
+             "analysis": {"window_start": 0}}
     assert tracking.protocol_key(moved) == key and len(key) == 16
     assert tracking.protocol_key({**base, "seed": 2}) != key
     assert tracking.protocol_key({**base, "train": {"lr": 0.01}}) != key
@@ -77,15 +80,21 @@ def test_protocol_key_ignores_what_cannot_change_a_result():
 
 def test_stale_running_runs_are_marked_killed(store):
     client, experiment_id, _ = store
+    now = float(int(time.time()))  # whole seconds, as heartbeats are stored: the ages below are exact
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: no process has this pid now
     with tracking.tracked_run(client, experiment_id, "alive", {}) as alive:
-        dead = client.create_run(experiment_id, run_name="dead", tags={tracking.HOST: f"{socket.gethostname()}:999999",
-                                                                        tracking.HEARTBEAT: f"{time.time():.0f}"})
+        dead = client.create_run(experiment_id, run_name="dead", tags={tracking.HOST: f"{socket.gethostname()}:{gone.pid}",
+                                                                        tracking.HEARTBEAT: f"{now:.0f}"})
         silent = client.create_run(experiment_id, run_name="silent", tags={tracking.HOST: "elsewhere:1",
-                                                                            tracking.HEARTBEAT: f"{time.time() - 7200:.0f}"})
-        marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600)
-        assert sorted(marked) == ["dead (process 999999 on %s is gone)" % socket.gethostname(),
+                                                                            tracking.HEARTBEAT: f"{now - 7200:.0f}"})
+        recent = client.create_run(experiment_id, run_name="recent", tags={tracking.HOST: "elsewhere:2",
+                                                                            tracking.HEARTBEAT: f"{now - 3599:.0f}"})
+        marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600, now=now)
+        assert sorted(marked) == [f"dead (process {gone.pid} on {socket.gethostname()} is gone)",
                                   "silent (no heartbeat for 7200 s)"]
         assert client.get_run(alive).info.status == "RUNNING"  # this very process: alive
+        assert client.get_run(recent.info.run_id).info.status == "RUNNING"  # heard from 3599 s ago: not yet stale
     assert client.get_run(dead.info.run_id).info.status == "KILLED"
     assert client.get_run(silent.info.run_id).data.tags["gaexp.killed_reason"] == "no heartbeat for 7200 s"
 

@@ -1,0 +1,96 @@
+"""What the training loop tells the rest of gaexp, and the hooks that listen.
+
+`train` calls every hook at three moments: after each optimizer step, before each evaluation
+(after the divergence check, before the model is evaluated: where a norm such as PreciseBN
+refreshes its statistics) and after it, with the new `EvalPoint`. `close` runs however training
+ends. The hooks here are generic (divergence, progress); norms.py and tracking.py add their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("gaexp.train")
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    step: int  # optimizer step
+    train_loss: float  # mean unscaled loss over the last `loss_window` optimizer steps
+    valid_acc: float  # accuracy on the whole validation split, eval mode
+    samples_per_sec: float  # training samples per second so far (evaluations excluded)
+
+
+class Hook:
+    """Does nothing at every moment; subclasses override the ones they need."""
+
+    def after_step(self, step: int, losses: torch.Tensor) -> None:
+        """`losses[:step]`: every optimizer step's mean unscaled loss so far, on the device."""
+
+    def before_eval(self, model: torch.nn.Module, step: int) -> None:
+        """Just before `model` is evaluated at optimizer step `step`."""
+
+    def after_eval(self, point: EvalPoint) -> None:
+        """Just after an evaluation."""
+
+    def close(self) -> None:
+        """Training ended, finished or not."""
+
+
+class DivergedError(FloatingPointError):
+    """The training loss became non-finite."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"non-finite training loss ({loss}) at optimizer step {step}")
+        self.step = step
+
+
+class DivergenceCheck(Hook):
+    """Raise DivergedError naming the first non-finite step loss, checked every `every` steps (each
+    one on the CPU, where it costs nothing; a GPU would synchronize) and before every evaluation."""
+
+    def __init__(self, every: int = 1) -> None:
+        self.every, self.checked, self.losses = every, 0, torch.empty(0)
+
+    def after_step(self, step: int, losses: torch.Tensor) -> None:
+        self.losses = losses
+        if step % self.every == 0:
+            self.check(step)
+
+    def before_eval(self, model: torch.nn.Module, step: int) -> None:
+        self.check(step)
+
+    def check(self, step: int) -> None:
+        bad = (~torch.isfinite(self.losses[self.checked:step])).nonzero()
+        if len(bad):
+            first = self.checked + int(bad[0])
+            raise DivergedError(first + 1, self.losses[first].item())
+        self.checked = step
+
+
+class Progress(Hook):
+    """A tqdm bar over the optimizer steps when `show` (default: stderr is a terminal); otherwise
+    one log line per evaluation."""
+
+    def __init__(self, total: int, desc: str = "", show: bool | None = None) -> None:
+        self.total, self.desc = total, desc
+        self.show = sys.stderr.isatty() if show is None else show
+        self.bar = tqdm(total=total, desc=desc, disable=not self.show, dynamic_ncols=True, leave=False)
+
+    def after_step(self, step: int, losses: torch.Tensor) -> None:
+        self.bar.update()
+
+    def after_eval(self, point: EvalPoint) -> None:
+        self.bar.set_postfix(loss=f"{point.train_loss:.4f}", valid_acc=f"{point.valid_acc:.4f}",
+                             samples_s=f"{point.samples_per_sec:.0f}")
+        if not self.show:
+            log.info("%s step %d/%d train_loss %.4f valid_acc %.4f samples/s %.0f", self.desc, point.step,
+                     self.total, point.train_loss, point.valid_acc, point.samples_per_sec)
+
+    def close(self) -> None:
+        self.bar.close()
