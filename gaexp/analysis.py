@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from gaexp.config import CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
+from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
 from gaexp.tracking import sweeps_of  # noqa: E402
 
 PROTOCOL = [key.rpartition(".")[2] for key in PROTOCOL_COLUMNS]  # runs differing in any of these never mix
@@ -95,7 +95,8 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
         raise AnalysisError(f"no experiment {experiment_name!r} in {client.tracking_uri}; there: {names}")
     runs = [r for r in client.search_runs([experiment.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
                                           max_results=50_000)
-            if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE]
+            if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE
+            and "optuna.study" not in r.data.tags]  # trials of a search are not grid cells
     if not runs:
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
     sweeps = {s for r in runs for s in sweeps_of(r)}
@@ -119,7 +120,8 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
         base = {"run_id": run.info.run_id, "sweep_id": tags.get("sweep_id", ""), "norm": tags["norm"],
                 "regime": tags["regime"], "batch_size": int(tags["batch_size"]),
                 "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
-                **{name: _number(params.get(key, "nan")) for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
+                **{name: _number(params.get(key, str(ADDED_DEFAULTS.get(key, "nan"))))
+                   for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
         run_rows.append({**{k: base[k] for k in TIDY[:7]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
@@ -146,9 +148,17 @@ def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
     return table.dropna(axis="columns", how="all")
 
 
-def check_protocol(data: pd.DataFrame) -> None:
-    """Refuse to average runs of different protocols together."""
-    protocols = data[PROTOCOL].drop_duplicates()
+def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
+    """Refuse to average runs of different protocols together. Keys in `per_cell` (a tuned value such as
+    lr) may differ between cells, never within one."""
+    for key in per_cell:
+        if key not in PROTOCOL:
+            raise AnalysisError(f"analysis.per_cell: {key!r}; valid: {', '.join(PROTOCOL)}")
+        varying = data.groupby(["norm", "regime"])[key].nunique()
+        if (varying > 1).any():
+            cell = varying[varying > 1].index[0]
+            raise AnalysisError(f"{key} differs within the cell {'/'.join(cell)}; choose one sweep with --sweep")
+    protocols = data[[k for k in PROTOCOL if k not in per_cell]].drop_duplicates()
     if len(protocols) > 1:
         found = "; ".join(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
                           for _, row in protocols.iterrows())
@@ -202,7 +212,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     """The tables, from the tidy data; evaluations at step > design.window_start count."""
     if data.empty:
         raise AnalysisError("no FINISHED runs to summarize")
-    check_protocol(data)
+    check_protocol(data, design.per_cell)
     window = data[data.step > design.window_start]
     if window.empty:
         raise AnalysisError(f"no evaluation after step {design.window_start} (last step {data.step.max()})")
@@ -219,6 +229,8 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     final_acc = final.groupby(["norm", "regime"]).valid_acc.mean()
     cells = per_run.groupby(["norm", "regime"]).agg(mean="mean", std="std", seeds="count")
     cells["final_acc"] = final_acc
+    for key in design.per_cell:  # the tuned value of each cell
+        cells[key] = data.groupby(["norm", "regime"])[key].first()
     cells = cells.reindex(pd.MultiIndex.from_product([norms, regimes], names=["norm", "regime"])).dropna(how="all")
     cells["seeds"] = cells.seeds.astype(int)
 
@@ -320,9 +332,12 @@ def format_table(summary: Summary) -> str:
     for norm, row in summary.table.iterrows():
         lines.append("| " + " | ".join([norm, *(pct(v) for v in row)]) + " |")
     lines += ["", "Per cell: mean and std across seeds of each run's windowed mean, seeds, final-step accuracy", "",
-              "| norm | regime | mean % | std % | seeds | final % |", "|---|---|---|---|---|---|"]
+              "| norm | regime | " + "".join(f"{k} | " for k in summary.design.per_cell)
+              + "mean % | std % | seeds | final % |", "|---|---|---|---|---|---|" + "---|" * len(summary.design.per_cell)]
     for (norm, regime), c in summary.cells.iterrows():
-        lines.append(f"| {norm} | {regime} | {pct(c['mean'])} | {pct(c['std'])} | {int(c.seeds)} | {pct(c.final_acc)} |")
+        tuned = "".join(f"{c[k]:.3g} | " for k in summary.design.per_cell)
+        lines.append(f"| {norm} | {regime} | {tuned}{pct(c['mean'])} | {pct(c['std'])} | {int(c.seeds)} | "
+                     f"{pct(c.final_acc)} |")
     if not summary.paired.empty:
         lines += ["", f"Paired (same seed) difference to {summary.design.reference}, percentage points, 95% t-interval", "",
                   "| norm | regime | diff | 95% CI | pairs | GA matches true batch? |", "|---|---|---|---|---|---|"]

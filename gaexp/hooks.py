@@ -50,6 +50,14 @@ class DivergedError(FloatingPointError):
         self.step = step
 
 
+class Stopped(Exception):
+    """Training stopped on purpose before its last step (an Optuna pruner said so): not a failure."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"stopped at optimizer step {step}: {reason}")
+        self.step, self.reason = step, reason
+
+
 class DivergenceCheck(Hook):
     """Raise DivergedError naming the first non-finite step loss, checked every `every` steps (each
     one on the CPU, where it costs nothing; a GPU would synchronize) and before every evaluation."""

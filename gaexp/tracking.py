@@ -23,7 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gaexp.config import protocol_part
-from gaexp.hooks import EvalPoint, Hook
+from gaexp.hooks import EvalPoint, Hook, Stopped
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
@@ -155,13 +155,19 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
 @contextmanager
 def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
                 tags: Mapping[str, Any]) -> Iterator[str]:
-    """A run that always ends: FINISHED, KILLED on Ctrl-C, FAILED with the error as tags."""
+    """A run that always ends: FINISHED, KILLED on Ctrl-C or when stopped on purpose (hooks.Stopped, with
+    the step as a tag), FAILED with the error as tags."""
     tags = {**tags, HOST: f"{socket.gethostname()}:{os.getpid()}", HEARTBEAT: f"{time.time():.0f}"}
     run_id = client.create_run(experiment_id, run_name=run_name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id
     try:
         yield run_id
     except KeyboardInterrupt:
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
+        raise
+    except Stopped as e:  # on purpose (pruned): KILLED, with the step and why, never FAILED
+        client.set_tag(run_id, "gaexp.stopped_step", str(e.step))
+        client.set_tag(run_id, "gaexp.stopped_reason", e.reason)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
         raise
     except BaseException as e:

@@ -26,13 +26,13 @@ HISTORIES = {
 
 
 def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
-            num_iterations=900, eval_period=300, summary=None):
+            num_iterations=900, eval_period=300, summary=None, lr=0.001):
     b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
     tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
     run_id = client.create_run(experiment_id, run_name=f"{norm}-{regime}-s{seed}",
                                tags={k_: str(v) for k_, v in tags.items()}).info.run_id
     tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
-                                                   "lr": 0.001, "loss_window": 100}})
+                                                   "lr": lr, "loss_window": 100}})
     for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
         tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
     for key, value in (summary or {}).items():
@@ -150,6 +150,24 @@ def test_a_study_design_changes_the_report(store):
     assert list(summary.table.columns) == ["bs16a1", "bs4a4"] and list(summary.paired.regime) == ["bs4a4"]
     assert list(summary.ranking.norm) == ["bn"] and "vs bn/bs16a1" in summary.ranking.columns
     assert "vs in/bs1a16" not in summary.ranking.columns
+
+
+def test_a_tuned_table_lets_lr_differ_between_cells_only(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    for regime, lr in (("bs16a1", 0.003), ("bs1a16", 0.0005)):
+        for seed in (1, 2):
+            add_run(client, experiment_id, "gn4", regime, seed, (0.9, 0.9, 0.9), lr=lr)
+    tuned = AnalysisConfig(per_cell=["lr"], table_columns=["bs16a1", "bs1a16"])
+    with pytest.raises(AnalysisError, match=r"2 different protocols .*lr=0.003"):
+        summarize(collect(client, "gaexp").data, STUDY)  # the study's design pools one lr only
+    summary = summarize(collect(client, "gaexp").data, tuned)
+    assert summary.cells.loc[("gn4", "bs1a16"), "lr"] == 0.0005 and summary.cells.loc[("gn4", "bs16a1"), "lr"] == 0.003
+    assert "| gn4 | bs1a16 | 0.0005 | 90.00 |" in analysis.format_table(summary)
+    add_run(client, experiment_id, "gn4", "bs1a16", 3, (0.9, 0.9, 0.9), lr=0.01)
+    with pytest.raises(AnalysisError, match=r"lr differs within the cell gn4/bs1a16"):
+        summarize(collect(client, "gaexp").data, tuned)
 
 
 def test_different_protocols_are_refused(store):

@@ -132,15 +132,18 @@ def test_a_micro_batch_option_of_the_wrong_type_is_refused(compose):
 def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     runtime = runtime_keys()
     assert {"threads", "compile", "rerun", "progress", "cells_at_once", "paths.outputs", "data.root", "data.sources",
-            "mlflow.tracking_uri", "mlflow.experiment_name", "analysis.window_start"} <= set(runtime)
-    assert not {"seed", "device", "train.lr", "regime.batch_size"} & set(runtime)
+            "mlflow.tracking_uri", "mlflow.experiment_name", "analysis.window_start", "optuna.trial"} <= set(runtime)
+    assert not {"seed", "device", "train.lr", "regime.batch_size", "data.holdout"} & set(runtime)
     assert PROTOCOL_COLUMNS == ["device", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
-                                "train.eval_batch_size"]
+                                "train.eval_batch_size", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     assert list(excluded) == ["launch", "experiment", *runtime]
     resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4"), resolve=True)
-    assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}
+    assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}  # data.holdout=0: left out
     assert protocol_part(resolved)["norm"] == {"name": "gn", "groups": 8}
+    held_out = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "data.holdout=10000"), resolve=True)
+    assert protocol_part(held_out)["data"] == {"holdout": 10000}
+    assert tracking.protocol_key(held_out) != tracking.protocol_key(resolved)
 
 
 PROTOCOL_KEY_GN4_BS4A4 = "0a648bac67732a7c"  # tag protocol_key of gn4-bs4a4-s1, 40 steps, recorded by d106f35
@@ -168,8 +171,8 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["config", "data", "hooks", "norms", "model", "memory", "train", "tracking", "analysis", "compare", "bench",
-          "app", "__main__"]
+LAYERS = ["config", "data", "hooks", "norms", "model", "memory", "train", "tracking", "tuning", "analysis", "compare",
+          "bench", "app", "__main__"]
 
 
 def test_imports_point_down():

@@ -1,0 +1,167 @@
+"""A run as an Optuna trial: its evaluations reported to the study, pruned when the pruner says so.
+
+The gaexp_optuna sweeper (hydra_plugins/gaexp_optuna_sweeper) gives each trial its study, storage
+and number in the `optuna` node; the trial reads and writes the study through that storage,
+which several processes (or cluster jobs on a shared file system) can share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import optuna  # noqa: E402
+from hydra_plugins.gaexp_optuna_sweeper.sweeper import open_storage, open_trial  # noqa: E402
+from mlflow.entities import Metric  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from gaexp.config import OptunaTrialConfig, protocol_part  # noqa: E402
+from gaexp.hooks import EvalPoint, Hook, Stopped  # noqa: E402
+
+
+class ReportToTrial(Hook):
+    """After each evaluation: report `valid_acc` at its step; stop training if the trial should be pruned."""
+
+    def __init__(self, trial_config: OptunaTrialConfig) -> None:
+        self.trial = open_trial(trial_config.storage, trial_config.study, trial_config.trial)
+
+    def after_eval(self, point: EvalPoint) -> None:
+        self.trial.report(point.valid_acc, point.step)
+        if self.trial.should_prune():
+            raise Stopped(point.step, f"pruned by Optuna (valid_acc {point.valid_acc:.4f})")
+
+
+def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
+    """The MLflow tags of a trial run (none for a run that is no trial)."""
+    if trial_config.study is None:
+        return {}
+    return {"optuna.study": trial_config.study, "optuna.trial": str(trial_config.trial)}
+
+
+STUDY_ROLE = "study"  # tag gaexp.role of a study's parent run
+
+
+def report_studies(client: MlflowClient, experiment_id: str, results: Path) -> list[str]:
+    """After a tuning sweep: one parent run per study (found again on later sweeps) carrying the best
+    value and params, as metrics stepped by the trial count, and Optuna's plots; its trials' runs
+    become its children. `results`: the sweeper's optimization_results.yaml. Returns the study names."""
+    summary = OmegaConf.load(results)
+    for name, outcome in summary.studies.items():
+        study = optuna.load_study(study_name=name, storage=open_storage(summary.storage))
+        found = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}' and tags.`optuna.study` = '{name}'")
+        parent = found[0].info.run_id if found else client.create_run(
+            experiment_id, run_name=f"study-{name}",
+            tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": summary.storage}).info.run_id
+        trials = len(study.trials)
+        client.set_tag(parent, "optuna.states", ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
+        if outcome.best is not None:
+            metrics = {"best_value": float(outcome.best.value), "best_trial": float(outcome.best.trial)}
+            metrics |= {f"best.{k}": float(v) for k, v in outcome.best.params.items() if isinstance(v, (int, float))}
+            client.log_batch(parent, metrics=[Metric(k, v, int(time.time() * 1000), trials) for k, v in metrics.items()])
+            for k, v in outcome.best.params.items():
+                client.set_tag(parent, f"best.{k}", str(v))
+            with tempfile.TemporaryDirectory() as tmp:
+                for path in plots(study, Path(tmp)):
+                    client.log_artifact(parent, str(path))
+        states = {str(t.number): t.state.name for t in study.trials}
+        for run in client.search_runs([experiment_id], f"tags.`optuna.study` = '{name}'", max_results=50_000):
+            if run.data.tags.get("gaexp.role") == STUDY_ROLE:
+                continue
+            wanted = {"mlflow.parentRunId": parent, "optuna.state": states.get(run.data.tags.get("optuna.trial"), "")}
+            for tag, value in wanted.items():
+                if run.data.tags.get(tag) != value:
+                    client.set_tag(run.info.run_id, tag, value)
+        client.set_terminated(parent, "FINISHED")
+    return list(summary.studies)
+
+
+def plots(study: optuna.Study, out: Path) -> list[Path]:
+    """Optuna's own matplotlib plots: the optimization history, and each searched key's slice."""
+    from optuna.visualization import matplotlib as ovm
+
+    written = []
+    with warnings.catch_warnings():  # Optuna marks its matplotlib plots experimental
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        figures = {"optimization_history.png": ovm.plot_optimization_history(study)}
+        if any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
+            figures["slice.png"] = ovm.plot_slice(study)
+    for filename, axes in figures.items():
+        figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
+        figure.savefig(out / filename, dpi=120, bbox_inches="tight")
+        plt.close(figure)
+        written.append(out / filename)
+    return written
+
+
+def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, seeds: str,
+                   extra: list[str]) -> list[tuple[str, dict, list[str]]]:
+    """Per study of `study_prefix`: (study, best trial as found, the command that reruns its cell at
+    the best values on the test set with `seeds`). The protocol comes from the best trial's own run
+    (its logged config), so the budget and every other key are the trial's; only the evaluation
+    split (data.holdout=0) and the seeds change."""
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise ValueError(f"no experiment {experiment!r} in {client.tracking_uri}")
+    parents = client.search_runs([found.experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}'", max_results=50_000)
+    commands = []
+    for parent in sorted(parents, key=lambda r: r.data.tags["optuna.study"]):
+        name = parent.data.tags["optuna.study"]
+        if not (name == study_prefix or name.startswith(f"{study_prefix}[")) or "best_trial" not in parent.data.metrics:
+            continue
+        number = int(parent.data.metrics["best_trial"])
+        (best,) = client.search_runs([found.experiment_id], f"tags.`optuna.study` = '{name}' and "
+                                                           f"tags.`optuna.trial` = '{number}' and attributes.status = 'FINISHED'")
+        with tempfile.TemporaryDirectory() as tmp:
+            config = OmegaConf.to_container(OmegaConf.load(client.download_artifacts(best.info.run_id, "config.yaml", tmp)))
+        protocol = protocol_part(config)
+        overrides = [f"norm={protocol['norm']['name']}",
+                     *(f"norm.{k}={v}" for k, v in protocol["norm"].items() if k != "name"),
+                     *(f"regime.{k}={v}" for k, v in protocol["regime"].items()),
+                     *(f"train.{k}={v!r}" for k, v in protocol["train"].items()),
+                     f"device={protocol['device']}", "data.holdout=0", f"seed={seeds}", *extra]
+        outcome = {"trial": number, "value": parent.data.metrics["best_value"],
+                   **{k.removeprefix("best."): v for k, v in parent.data.tags.items() if k.startswith("best.")}}
+        commands.append((name, outcome, overrides))
+    if not commands:
+        raise ValueError(f"no finished study {study_prefix}[...] in experiment {experiment!r} (run the search first)")
+    return commands
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="gaexp-tuned", description=(
+        "Rerun each cell of an Optuna search at its best values, on the test set, with several seeds."))
+    parser.add_argument("--tracking-uri", default="sqlite:///" + str(Path("outputs/mlflow.db").resolve()))
+    parser.add_argument("--experiment", default="gaexp-tune_lr", help="where the search ran (default: %(default)s)")
+    parser.add_argument("--study", default="tune_lr", help="the search's study_name (default: %(default)s)")
+    parser.add_argument("--seeds", default="1,2,3", help="seeds of the reruns (default: %(default)s)")
+    parser.add_argument("--run", action="store_true", help="run the commands (default: print them)")
+    parser.add_argument("overrides", nargs="*", help="more overrides for every rerun, e.g. launch=joblib "
+                                                     "mlflow.experiment_name=gaexp-tune_lr-test")
+    args = parser.parse_args(argv)
+    try:
+        commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,
+                                  args.overrides)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    for name, outcome, overrides in commands:
+        print(f"{name}: best trial {outcome['trial']}, value {outcome['value']:.4f}, "
+              + ", ".join(f"{k}={v}" for k, v in outcome.items() if k not in ("trial", "value")))
+        print("  gaexp -m " + " ".join(overrides))
+        if args.run:
+            proc = subprocess.run([sys.executable, "-m", "gaexp", "-m", *overrides])
+            if proc.returncode:
+                sys.exit(f"error: the rerun of {name} exited {proc.returncode}")
+
+
+if __name__ == "__main__":
+    main()
