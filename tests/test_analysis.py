@@ -137,9 +137,10 @@ def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
 
 def test_studies_are_config_files():
     assert load_study("spec") == STUDY
+    assert load_study("tune_lr").per_cell == ["lr"]
     fixes = load_study("bn_fixes")
     assert fixes.norm_order[:4] == ["bn", "in", "ln", "in_affine"] and fixes.baselines == STUDY.baselines
-    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'spec'\]"):
+    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'spec', 'tune_lr'\]"):
         load_study("nope")
 
 
