@@ -8,6 +8,7 @@ which several processes (or cluster jobs on a shared file system) can share.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="more overrides for every rerun, e.g. launch=joblib "
                                                      "mlflow.experiment_name=gaexp-tune_lr-test")
     args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one config.yaml per study: no bars
     try:
         commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,
                                   args.overrides)
