@@ -177,3 +177,19 @@ def test_a_killed_study_resumes_to_n_trials_with_none_left_running(tmp_path, gae
     assert "trial 1 was left RUNNING by an earlier sweep: marked FAIL" in again.stdout + again.stderr
     states = [t.state for t in study_of(tmp_path, "t").trials]
     assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]  # 3 in total, none RUNNING
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_fail_in_optuna_and_failed_in_mlflow_and_the_study_goes_on(tmp_path, gaexp_command,
+                                                                                      training_runs):
+    """lr 1e30 diverges at step 2: FAIL and FAILED, the cell named at the end; one failure in two trials is within
+    max_failure_rate 0.5, so the study runs its other trial."""
+    proc = gaexp_command(tmp_path, *STUDY, "train.lr=choice(0.003, 1e30)", "hydra.sweeper.sampler.name=grid",
+                         "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_jobs=1", "hydra.sweeper.max_failure_rate=0.5")
+    assert proc.returncode == 1 and "1 cell(s) failed, the others ran" in proc.stdout + proc.stderr
+    trials = study_of(tmp_path, "t").trials
+    assert [(t.params["train.lr"], t.state) for t in trials] == [(0.003, TrialState.COMPLETE), (1e30, TrialState.FAIL)]
+    _, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    failed = runs["gn4-bs16a1-s1-t1"]
+    assert failed.info.status == "FAILED" and failed.data.tags["diverged_step"] == "2"
+    assert failed.data.tags["optuna.state"] == "FAIL" and runs["gn4-bs16a1-s1-t0"].info.status == "FINISHED"
