@@ -72,12 +72,17 @@ def load_study(study: str) -> AnalysisConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AnalysisConfig), node))
 
 
+def is_training_run(run: Run) -> bool:
+    """A run that trained a cell (or a trial): not a report or study run."""
+    return "norm" in run.data.tags and run.data.tags.get("gaexp.role") != REPORT_ROLE
+
+
 def training_runs(client: MlflowClient, experiment_name: str) -> dict[str, Run]:
-    """The training runs of an experiment by run name, whatever their status (report runs left out;
-    none if there is no such experiment)."""
+    """The training runs of an experiment by run name, whatever their status (none if there is no such
+    experiment)."""
     experiment = client.get_experiment_by_name(experiment_name)
     runs = client.search_runs([experiment.experiment_id], max_results=50_000) if experiment else []
-    return {r.info.run_name: r for r in runs if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE}
+    return {r.info.run_name: r for r in runs if is_training_run(r)}
 
 
 def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -> Collected:
@@ -95,8 +100,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
         raise AnalysisError(f"no experiment {experiment_name!r} in {client.tracking_uri}; there: {names}")
     runs = [r for r in client.search_runs([experiment.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
                                           max_results=50_000)
-            if "norm" in r.data.tags and r.data.tags.get("gaexp.role") != REPORT_ROLE
-            and "optuna.study" not in r.data.tags]  # trials of a search are not grid cells
+            if is_training_run(r) and "optuna.study" not in r.data.tags]  # trials of a search are not grid cells
     if not runs:
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
     sweeps = {s for r in runs for s in sweeps_of(r)}

@@ -352,8 +352,9 @@ def resolved_value(tree: Mapping[str, Any], dotted: str) -> Any:
 def _yaml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(map(_yaml_value, value)) + "]"
-    return {None: "null", True: "true", False: "false"}.get(value, str(value)) if not isinstance(value, (int, float)) \
-        or isinstance(value, bool) else str(value)
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
 
 
 def markdown_table() -> str:

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import optuna  # noqa: E402
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import open_storage, open_trial  # noqa: E402
-from mlflow.entities import Metric  # noqa: E402
+from mlflow.entities import Metric, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -69,8 +69,7 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path) -> l
             metrics = {"best_value": float(outcome.best.value), "best_trial": float(outcome.best.trial)}
             metrics |= {f"best.{k}": float(v) for k, v in outcome.best.params.items() if isinstance(v, (int, float))}
             client.log_batch(parent, metrics=[Metric(k, v, int(time.time() * 1000), trials) for k, v in metrics.items()])
-            for k, v in outcome.best.params.items():
-                client.set_tag(parent, f"best.{k}", str(v))
+            client.log_batch(parent, tags=[RunTag(f"best.{k}", str(v)) for k, v in outcome.best.params.items()])
             with tempfile.TemporaryDirectory() as tmp:
                 for path in plots(study, Path(tmp)):
                     client.log_artifact(parent, str(path))
@@ -79,9 +78,9 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path) -> l
             if run.data.tags.get("gaexp.role") == STUDY_ROLE:
                 continue
             wanted = {"mlflow.parentRunId": parent, "optuna.state": states.get(run.data.tags.get("optuna.trial"), "")}
-            for tag, value in wanted.items():
-                if run.data.tags.get(tag) != value:
-                    client.set_tag(run.info.run_id, tag, value)
+            changed = [RunTag(tag, value) for tag, value in wanted.items() if run.data.tags.get(tag) != value]
+            if changed:
+                client.log_batch(run.info.run_id, tags=changed)
         client.set_terminated(parent, "FINISHED")
     return list(summary.studies)
 
