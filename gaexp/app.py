@@ -27,7 +27,7 @@ from gaexp.data import Split, ensure_mnist, holdout_split, load_split, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
-from gaexp.train import resolve_device, train
+from gaexp.train import compile_phases, resolve_device, train
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def job_config(cfg: DictConfig) -> DictConfig:
 def prepare(cfg: DictConfig) -> str:
     """Check the input, then data and MLflow store; returns the experiment id. Writes nothing on bad input."""
     c = typed(job_config(cfg))  # types, required keys and ranges (gaexp/config.py)
-    resolve_device(c.device)
+    compile_phases(c.compile, c.norm.name, resolve_device(c.device))  # a compile that cannot run fails here
     tracking.check_server(c.mlflow.tracking_uri)
     ensure_mnist(c.data.root, c.data.sources)
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
@@ -214,6 +214,8 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     tags = {"norm": c.norm.name, "regime": c.regime.name, "seed": c.seed, "batch_size": c.regime.batch_size,
             "num_accum": c.regime.num_accum, "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key,
             "device": device.type, "threads": torch.get_num_threads(), **tuning.trial_tags(c.optuna)}
+    compiled = compile_phases(c.compile, c.norm.name, device)
+    tags["compiled"] = ",".join(sorted(compiled, reverse=True)) or "off"  # what compile=auto chose
     trial = [tuning.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
@@ -228,8 +230,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
                      Progress(c.train.num_iterations, c.run_name, c.progress)]
             tic = time.perf_counter()
             try:
-                history = train(torch.compile(model) if c.compile else model, train_data, valid_data, c.train,
-                                c.regime, c.seed, hooks)
+                history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled)
             except DivergedError as e:
                 client.set_tag(run_id, "diverged_step", str(e.step))
                 raise

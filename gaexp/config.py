@@ -6,7 +6,8 @@ key's range is declared beside it (`valid=`) and checked by `__post_init__`, whi
 `typed(cfg)` turns the composed config into objects, before anything is recorded.
 
 Every key is declared once here, with its default, help and range. A key marked `runtime` says where
-and how a run executes and cannot change its result; every other key is protocol. From that one
+and how a run executes and cannot change its result beyond rounding (`compile` and `threads` may round
+differently); every other key is protocol. From that one
 mark come the protocol key that resume matches (`protocol_part`), the keys Hydra leaves out of
 sweep folder names (`${gaexp.runtime_keys:}`) and the columns the analysis refuses to pool
 across (`PROTOCOL_COLUMNS`).
@@ -237,6 +238,7 @@ class AnalysisConfig(Checked):
 
 DEVICES = ("auto", "cpu", "cuda")
 THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or an integer >= 0")
+COMPILE_CHOICES = ("auto", "off", "eval", "all")
 CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib's negative counts (-1: one per core)")
 
 
@@ -253,7 +255,9 @@ class Config(Checked):
                        runtime=True, valid=THREADS)
     cells_at_once: Optional[int] = key(None, "cells sharing this machine's cores; set by conf/launch/ presets "
                                              "(null: guessed from the launcher)", runtime=True, valid=CELLS)
-    compile: bool = key(False, "torch.compile the model (no gain on CPU)", runtime=True)
+    compile: str = key("auto", "torch.compile: off, eval (evaluation only), all (training too), auto (what pays for "
+                              "the norm: all for in and in_affine, eval for the rest)", runtime=True,
+                       valid=one_of(*COMPILE_CHOICES))
     rerun: bool = key(False, "run a cell again even if it already FINISHED with the same protocol", runtime=True)
     progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
                                    runtime=True)

@@ -6,15 +6,19 @@ and returns the history.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from gaexp.config import RegimeConfig, TrainConfig
+from gaexp.config import COMPILE_CHOICES, RegimeConfig, TrainConfig
 from gaexp.data import Split, micro_batch_indices, to_input
 from gaexp.hooks import EvalPoint, Hook
+from gaexp.norms import COMPILED_TRAINING
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -24,6 +28,38 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch.cuda.is_available() is False; valid here: auto, cpu")
     return torch.device(name)
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why Inductor cannot compile here (it needs a C++ compiler for the CPU), or None."""
+    if device.type != "cpu":
+        return None
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    try:
+        get_cpp_compiler()
+    except Exception as e:  # what Inductor itself would raise at the first compiled call
+        return f"no C++ compiler for torch.compile on the CPU ({type(e).__name__}: {e})"
+    return None
+
+
+def compile_phases(choice: str, norm: str, device: torch.device) -> frozenset[str]:
+    """The phases ("train", "eval") that run through torch.compile for `compile=choice`.
+
+    auto: evaluation for every norm, training too for the norms whose eager layers are slow in
+    channels_last (COMPILED_TRAINING, gaexp/norms.py); eager when no compiler is installed.
+    Training compiled or not follows the same arithmetic up to rounding; evaluation's predictions
+    differ only on near ties (tests/test_train.py)."""
+    phases = {"off": frozenset(), "eval": frozenset({"eval"}), "all": frozenset({"train", "eval"}),
+              "auto": frozenset({"train", "eval"} if norm in COMPILED_TRAINING else {"eval"})}
+    if choice not in phases:
+        raise ValueError(f"compile={choice!r}; valid: {', '.join(COMPILE_CHOICES)}")
+    missing = compiler_missing(device) if phases[choice] else None
+    if missing and choice == "auto":
+        log.warning("%s: running eager, slower (compile=off silences this)", missing)
+        return frozenset()
+    if missing:
+        raise ValueError(f"compile={choice!r} but {missing}; valid here: off, auto")
+    return phases[choice]
 
 
 def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[torch.Tensor],
@@ -56,9 +92,14 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> floa
 
 
 def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: TrainConfig, regime: RegimeConfig,
-          seed: int, hooks: Sequence[Hook] = ()) -> list[EvalPoint]:
+          seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset()) -> list[EvalPoint]:
     """Adam on `cfg.num_iterations` optimizer steps of `regime.num_accum` micro-batches of `regime.batch_size`,
-    in the data order of `seed`; evaluates every `cfg.eval_period` steps and at the last step."""
+    in the data order of `seed`; evaluates every `cfg.eval_period` steps and at the last step. The phases
+    in `compiled` run through torch.compile, one static graph per shape (Inductor caches them on disk)."""
+    if compiled:  # a worker process runs many cells: start each with no graphs in memory, or Dynamo's
+        torch._dynamo.reset()  # recompile limit would silently turn later cells eager (Inductor's disk cache stays)
+    forward = torch.compile(model, dynamic=False) if "train" in compiled else model
+    eval_forward = torch.compile(model, dynamic=False) if "eval" in compiled else model
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     batches = micro_batch_indices(len(train_data.labels), regime.batch_size, seed, train_data.labels.device)
     losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's mean unscaled loss
@@ -67,7 +108,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
     model.train()
     try:
         for step in range(1, cfg.num_iterations + 1):
-            losses[step - 1] = accumulate(model, train_data, batches, regime.num_accum)
+            losses[step - 1] = accumulate(forward, train_data, batches, regime.num_accum)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             for hook in hooks:
@@ -79,7 +120,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
                 hook.before_eval(model, step)
             train_loss = losses[max(0, step - cfg.loss_window):step].mean().item()
             samples_per_sec = step * regime.batch_size * regime.num_accum / train_seconds
-            history.append(EvalPoint(step, train_loss, evaluate(model, valid_data, cfg.eval_batch_size),
+            history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size),
                                      samples_per_sec))
             for hook in hooks:
                 hook.after_eval(history[-1])

@@ -22,7 +22,7 @@ from gaexp.data import Split, ensure_mnist, load_split
 REPO = Path(__file__).resolve().parent.parent
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
 # The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report.
-TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "analysis.window_start=0"]
+TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off", "analysis.window_start=0"]
 
 
 @pytest.fixture(scope="session")

@@ -34,11 +34,16 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, compose):
 
 
 @pytest.mark.slow
-def test_compiled_model_trains_like_the_eager_one(tmp_path, compose):
-    overrides = [*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=3"]
+def test_compile_auto_compiles_instance_norm_training_and_it_trains_like_the_eager_one(tmp_path, compose,
+                                                                                         training_runs):
+    overrides = [*TINY, "norm=in", "regime=bs4a4", "train.num_iterations=3", "train.eval_period=3"]
     eager = run_cell(prepared(compose(*overrides, outputs=tmp_path / "eager")), sweep_id="eager")
-    compiled = run_cell(prepared(compose(*overrides, "compile=true", outputs=tmp_path / "compiled")), sweep_id="compiled")
+    compiled = run_cell(prepared(compose(*overrides, "compile=auto", outputs=tmp_path / "compiled")),
+                        sweep_id="compiled")
     assert compiled == pytest.approx(eager, abs=2e-3)
+    _, runs = training_runs(f"sqlite:///{tmp_path}/compiled/mlflow.db")
+    [run] = runs.values()
+    assert run.data.tags["compiled"] == "train,eval" and run.data.params["compile"] == "auto"
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def test_defaults_are_the_study_protocol(compose, tmp_path, monkeypatch):
     assert isinstance(c, Config) and isinstance(c.regime, RegimeConfig)
     assert (c.norm.name, c.regime.batch_size, c.regime.num_accum, c.seed) == ("bn", 16, 1, 1)
     assert (c.train.num_iterations, c.train.eval_period, c.train.lr, c.train.loss_window) == (3600, 300, 1e-3, 100)
-    assert (c.device, c.threads, c.compile, c.cells_at_once) == ("auto", "auto", False, None)
+    assert (c.device, c.threads, c.compile, c.cells_at_once) == ("auto", "auto", "auto", None)
     # every path is absolute and under outputs/ of the launch folder
     assert c.data.root == str(tmp_path / "outputs" / "data")
     assert c.mlflow.tracking_uri == f"sqlite:///{tmp_path}/outputs/mlflow.db"
@@ -101,6 +101,7 @@ RANGE_ERRORS = {
     "learning rate": (["train.lr=-1"], r"train.lr=-1.0; valid: a finite number > 0"),
     "infinite lr": (["train.lr=inf"], r"train.lr=inf; valid: a finite number > 0"),
     "device": (["device=tpu"], r"device='tpu'; valid: auto, cpu, cuda"),
+    "compile": (["compile=true"], r"compile='True'; valid: auto, off, eval, all"),
     "threads": (["threads=many"], r"threads='many'; valid: auto or an integer >= 0"),
     "file store": (["mlflow.tracking_uri=./mlruns"], r"mlflow.tracking_uri='./mlruns'; valid: sqlite:///"),
     "groups": (["norm=gn", "norm.groups=0"], r"norm.groups=0; valid: an integer >= 1"),

@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from gaexp.config import RegimeConfig, TrainConfig
-from gaexp.data import micro_batch_indices, to_input
+from gaexp.data import Split, micro_batch_indices, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, EvalPoint, Hook, Progress
 from gaexp.model import SimpleModel
-from gaexp.train import accumulate, evaluate, resolve_device, train
+from gaexp import train as train_module
+from gaexp.train import accumulate, compile_phases, evaluate, resolve_device, train
 
 
 def model_for(norm: str, seed: int = 1) -> SimpleModel:
@@ -43,6 +44,81 @@ def test_accumulation_is_exact_for_batch_independent_norms(norm, train_split):
         assert loss == pytest.approx(loss16, rel=1e-5)
         whole, worst = relative_differences(grads, reference)
         assert whole < 1e-5 and worst < 1e-3, (norm, b, k, whole, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["in", "gn16"])
+def test_compiled_training_gradients_match_the_eager_layers(norm, train_split):
+    """compile=auto compiles InstanceNorm's training (compile=all any norm's): one accumulated step of
+    bs4a4 through the compiled graph gives the eager layers' gradient within 1e-5 relative (the whole
+    vector), and each tensor within 1e-4. Under InstanceNorm the conv biases are left out of the
+    per-tensor check: the norm subtracts them again, so their true gradient is zero and both sides
+    hold rounding noise, tiny next to the rest (checked too)."""
+    loss, reference = one_step_gradients(norm, 4, 4, train_split)
+    model = model_for(norm)
+    compiled_loss = accumulate(torch.compile(model, dynamic=False), train_split,
+                               micro_batch_indices(len(train_split.labels), 4, 1), 4)
+    grads = [p.grad for p in model.parameters()]
+    assert compiled_loss.item() == pytest.approx(loss, rel=1e-6)
+    assert relative_differences(grads, reference)[0] < 1e-5
+    total = torch.cat([r.flatten() for r in reference]).norm()
+    for (name, g), r in zip(((n, p.grad) for n, p in model.named_parameters()), reference):
+        if norm == "in" and name.startswith("features.") and name.endswith(".bias"):
+            assert g.norm() < 1e-4 * total and r.norm() < 1e-4 * total, name
+        else:
+            assert ((g - r).norm() / r.norm()).item() < 1e-4, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["bn", "in", "gn4", "gn16", "none"])
+def test_compiled_evaluation_predicts_as_the_eager_model_except_near_ties(norm, train_split, valid_split):
+    """compile=auto compiles every norm's evaluation. On the 10,000 test images, after 150 steps of
+    training, the compiled model's logits stay within 1e-4 of the eager ones, and a prediction may
+    differ only where the eager top two logits are closer than twice that difference (a tie)."""
+    model = model_for(norm)
+    train(model, train_split, Split(valid_split.images[:16], valid_split.labels[:16]),
+          TrainConfig(num_iterations=150, eval_period=150), RegimeConfig(16, 1), seed=1)
+    model.eval()
+    compiled = torch.compile(model, dynamic=False)
+    with torch.inference_mode():
+        batches = [to_input(valid_split.images[s:s + 256]) for s in range(0, 10_000, 256)]
+        eager_logits = torch.cat([model(x) for x in batches])
+        compiled_logits = torch.cat([compiled(x) for x in batches])
+    noise = (compiled_logits - eager_logits).abs().max().item()
+    top2 = eager_logits.topk(2, dim=1).values
+    ties = top2[:, 0] - top2[:, 1] <= 2 * noise
+    differ = eager_logits.argmax(1) != compiled_logits.argmax(1)
+    assert noise < 1e-4
+    assert not (differ & ~ties).any(), f"{int((differ & ~ties).sum())} predictions differ outside ties"
+    assert int(ties.sum()) < 10  # near ties are rare: the comparison is not vacuous
+    assert evaluate(model, valid_split) > 0.8  # trained, so the predictions mean something
+
+
+@pytest.mark.slow
+def test_a_process_that_trains_many_cells_keeps_compiling(monkeypatch, caplog, train_split, small_valid):
+    """A launcher's worker runs cell after cell: each `train` starts with no graphs in memory, so
+    Dynamo's recompile limit (here lowered to 1) never turns a later cell eager."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    for norm in ("gn4", "none"):
+        cfg = TrainConfig(num_iterations=2, eval_period=2, eval_batch_size=500)  # one evaluation shape
+        train(model_for(norm), train_split, small_valid, cfg, RegimeConfig(2, 1), seed=1, compiled=frozenset({"eval"}))
+    assert "recompile_limit" not in caplog.text
+    torch._dynamo.reset()
+
+
+def test_compile_auto_picks_the_phases_per_norm_and_runs_eager_without_a_compiler(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(train_module, "compiler_missing", lambda device: None)
+    assert compile_phases("auto", "in", cpu) == {"train", "eval"}
+    assert compile_phases("auto", "bn", cpu) == compile_phases("eval", "in", cpu) == {"eval"}
+    assert compile_phases("all", "none", cpu) == {"train", "eval"} and compile_phases("off", "in", cpu) == set()
+    with pytest.raises(ValueError, match=r"compile='fast'; valid: auto, off, eval, all"):
+        compile_phases("fast", "bn", cpu)
+    monkeypatch.setattr(train_module, "compiler_missing", lambda device: "no C++ compiler for torch.compile")
+    assert compile_phases("auto", "in", cpu) == set() and "running eager" in caplog.text
+    assert compile_phases("off", "in", cpu) == set()
+    with pytest.raises(ValueError, match=r"compile='all' but no C\+\+ compiler .*; valid here: off, auto"):
+        compile_phases("all", "in", cpu)
 
 
 def test_batchnorm_breaks_accumulation(train_split):
