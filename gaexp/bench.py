@@ -200,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         phases = compile_phases(args.compile, norm, device)
         rates[norm] = {}
         print(f"\n{norm}: compile={args.compile} compiles {' and '.join(sorted(phases, reverse=True)) or 'nothing'}")
-        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9}" + (f" {'naive':>9}" if args.naive else ""))
+        naive_column = f" {'naive':>9}" if args.naive else ""
+        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9}{naive_column}")
         for name, (b, k) in [*args.regimes.items(), ("eval", (0, 0))]:
             if name == "eval":
                 measure = partial(evaluation, valid, norm, args.eval_images, device)
@@ -240,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             totals = {side: totals[side] + hours[side] * 3600 for side in totals}
             print(f"{norm:8} {hours['eager']:>8.2f} {hours['gaexp']:>8.2f}")
         print(f"{'total':8} {totals['eager'] / 3600:>8.2f} {totals['gaexp'] / 3600:>8.2f}"
-              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} min; assumes cells scale across processes)")
+              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} min; "
+              "assumes cells scale across processes)")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ key's range is declared beside it (`valid=`) and checked by `__post_init__`, whi
 `typed(cfg)` turns the composed config into objects, before anything is recorded.
 
 Every key is declared once here, with its default, help and range. A key marked `runtime` says where
-and how a run executes and cannot change its result beyond rounding (`compile` and `threads` may round
-differently); every other key is protocol. From that one
-mark come the protocol key that resume matches (`protocol_part`), the keys Hydra leaves out of
-sweep folder names (`${gaexp.runtime_keys:}`) and the columns the analysis refuses to pool
-across (`PROTOCOL_COLUMNS`).
+and how a run executes and cannot change its result beyond rounding (`compile` and `threads` may
+round differently); every other key is protocol. From that one mark come the protocol key that
+resume matches (`protocol_part`), the keys Hydra leaves out of sweep folder names
+(`${gaexp.runtime_keys:}`) and the columns the analysis refuses to pool across (`PROTOCOL_COLUMNS`).
 """
 
 import dataclasses

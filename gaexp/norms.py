@@ -182,7 +182,7 @@ NORMS: dict[str, Callable[..., nn.Module]] = {
 
 # Norms whose training pays for torch.compile on the CPU (`compile=auto`): InstanceNorm's eager kernel leaves
 # channels_last and is 1.5x slower than no norm at micro-batch 16; compiled, it runs as fast as no norm.
-# Compiled training loses for the others (docs/results.md, "Speed of every norm").
+# Compiled training loses for the others (docs/results.md, "Levers measured").
 COMPILED_TRAINING = frozenset({"in", "in_affine"})
 
 
