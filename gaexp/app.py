@@ -211,11 +211,12 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     """Train inside an MLflow run that holds the config, every evaluation and the summary. A trial
     reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
     tells the sweeper."""
+    compiled = compile_phases(c.compile, c.norm.name, device)
     tags = {"norm": c.norm.name, "regime": c.regime.name, "seed": c.seed, "batch_size": c.regime.batch_size,
             "num_accum": c.regime.num_accum, "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key,
-            "device": device.type, "threads": torch.get_num_threads(), **tuning.trial_tags(c.optuna)}
-    compiled = compile_phases(c.compile, c.norm.name, device)
-    tags["compiled"] = ",".join(sorted(compiled, reverse=True)) or "off"  # what compile=auto chose
+            "device": device.type, "threads": torch.get_num_threads(),
+            "compiled": ",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
+            **tuning.trial_tags(c.optuna)}
     trial = [tuning.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:

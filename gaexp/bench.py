@@ -43,14 +43,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def model_and_forward(norm: str, device: torch.device, compiled: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model as a cell builds it, and what runs it: the model, or its compiled graph starting, as
+    `train` does, with no graphs in memory."""
+    torch.manual_seed(0)
+    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
+    if not compiled:
+        return model, model
+    torch._dynamo.reset()
+    return model, torch.compile(model, dynamic=False)
+
+
 def training(data: Split, norm: str, b: int, k: int, samples: int, device: torch.device,
              compiled: bool) -> tuple[float, float]:
     """(samples/s of optimizer steps after the first, compiled: seconds of the first step beyond a steady one)."""
-    torch.manual_seed(0)
-    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
-    if compiled:
-        torch._dynamo.reset()  # as `train` does: a cell starts with no graphs in memory
-    forward = torch.compile(model, dynamic=False) if compiled else model
+    model, forward = model_and_forward(norm, device, compiled)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     batches = micro_batch_indices(len(data.labels), b, 0, device)
 
@@ -74,11 +81,7 @@ def training(data: Split, norm: str, b: int, k: int, samples: int, device: torch
 
 def evaluation(valid: Split, norm: str, images: int, device: torch.device, compiled: bool) -> tuple[float, float]:
     """(images/s of `evaluate` in batches of 256, compiled: seconds of the first pass beyond a steady one)."""
-    torch.manual_seed(0)
-    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
-    if compiled:
-        torch._dynamo.reset()
-    forward = torch.compile(model, dynamic=False) if compiled else model
+    _, forward = model_and_forward(norm, device, compiled)
     split = Split(valid.images[:images], valid.labels[:images])
     tic = time.perf_counter()
     evaluate(forward, split)
