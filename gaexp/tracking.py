@@ -8,26 +8,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
+import tempfile
 import time
 import traceback
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, LoggedModelStatus
 from mlflow.exceptions import MlflowException
+from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 
 from gaexp.config import protocol_part
+from gaexp.data import HOLDOUT_SEED
 from gaexp.hooks import EvalPoint, Hook, Stopped
+
+if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
+    import torch
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
+# MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI overview (traces)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def is_remote(tracking_uri: str) -> bool:
@@ -59,7 +69,7 @@ def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: st
     if experiment is None:
         location = None if is_remote(tracking_uri) or not artifact_location else Path(artifact_location).resolve().as_uri()
         try:
-            return client.create_experiment(experiment_name, artifact_location=location)
+            return client.create_experiment(experiment_name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
         except MlflowException:  # created meanwhile by another process
             experiment = client.get_experiment_by_name(experiment_name)
             if experiment is None:
@@ -67,6 +77,8 @@ def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: st
     if experiment.lifecycle_stage != "active":
         raise ValueError(f"MLflow experiment {experiment_name!r} in {tracking_uri} is deleted; "
                          "restore it (mlflow experiments restore) or choose another mlflow.experiment_name")
+    if experiment.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # also stores made before the tag
+        client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
     return experiment.experiment_id
 
 
@@ -215,3 +227,115 @@ def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wal
         **(extra or {}),
     }
     client.log_batch(run_id, metrics=[Metric(k, v, now, last.step) for k, v in values.items()])
+
+
+# --- what a run used and made: its datasets (the UI's Dataset column) and its model (the Models column) ---
+
+DATA_CONTEXT = "mlflow.data.context"  # the input tag the UI shows beside a dataset's name and digest
+TRAINING, VALIDATION = "training", "validation"
+MODEL_NAME = "model"  # the LoggedModel's name, shown in the runs table's Models column
+
+
+def data_digest(md5s: Iterable[str], selection: str) -> str:
+    """32 hex characters (MLflow keeps at most 36): the MD5 of the files' MD5s, sorted, and of the selection
+    of images taken from them (so a hold-out's two parts differ from each other and from the whole files)."""
+    return hashlib.md5(json.dumps([sorted(md5s), selection]).encode()).hexdigest()
+
+
+def dataset_input(name: str, context: str, directory: Path, files: Mapping[str, str], num_samples: int,
+                  selection: str) -> DatasetInput:
+    """One dataset of a run: `files` (file name -> MD5) in `directory`, of which `selection` took `num_samples`
+    images: `all`, or `kept:`/`held:holdout=N:seed=S` (the two parts of gaexp.data.holdout_split)."""
+    profile = {"num_samples": num_samples, "selection": selection, "files_md5": dict(sorted(files.items()))}
+    dataset = Dataset(name=name, digest=data_digest(files.values(), selection), source_type="local",
+                      source=json.dumps({"uri": Path(directory).resolve().as_uri()}), profile=json.dumps(profile))
+    return DatasetInput(dataset, tags=[InputTag(DATA_CONTEXT, context)])
+
+
+def data_inputs(data_name: str, directory: Path, md5: Mapping[str, str], holdout: int, num_training: int,
+                num_validation: int) -> list[DatasetInput]:
+    """The run's training and validation datasets, named after the data (`data_name`, e.g. mnist) and its
+    files (`md5`: IDX file name -> MD5, the train-* and t10k-* files). Without hold-out: `<data>-train` and
+    `<data>-test`; with `holdout=N` both come from the training files: `<data>-train-minusN` (trained on)
+    and `<data>-holdoutN` (the N held-out images, gaexp.data.holdout_split)."""
+    train_files = {f: m for f, m in md5.items() if f.startswith("train-")}
+    test_files = {f: m for f, m in md5.items() if f.startswith("t10k-")}
+    if not train_files or not test_files:
+        raise ValueError(f"{data_name}: expected train-* and t10k-* files, got {sorted(md5)}")
+    if not holdout:
+        return [dataset_input(f"{data_name}-train", TRAINING, directory, train_files, num_training, "all"),
+                dataset_input(f"{data_name}-test", VALIDATION, directory, test_files, num_validation, "all")]
+    how = f"holdout={holdout}:seed={HOLDOUT_SEED}"
+    return [dataset_input(f"{data_name}-train-minus{holdout}", TRAINING, directory, train_files, num_training,
+                          f"kept:{how}"),
+            dataset_input(f"{data_name}-holdout{holdout}", VALIDATION, directory, train_files, num_validation,
+                          f"held:{how}")]
+
+
+def log_data_inputs(client: MlflowClient, run_id: str, data_name: str, directory: Path, md5: Mapping[str, str],
+                    holdout: int, num_training: int, num_validation: int) -> None:
+    """Log the run's training and validation datasets (`data_inputs`) as its inputs."""
+    client.log_inputs(run_id, datasets=data_inputs(data_name, directory, md5, holdout, num_training, num_validation))
+
+
+class _PickleChosen(logging.Filter):
+    """Drops the warning MLflow logs at each pickled save: pickle is chosen on purpose (the 'pt2' graph
+    format bakes train/eval mode in, so a reloaded model could not be evaluated another way)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Saving pytorch model by Pickle")
+
+
+def log_model(client: MlflowClient, run_id: str, model: torch.nn.Module, step: int | None = None,
+              name: str = MODEL_NAME) -> str:
+    """Log `model` with MLflow's PyTorch flavour as a LoggedModel of the run (the runs table's Models
+    column); returns its model id. What `mlflow.pytorch.log_model` does, through this client rather than
+    the process-wide tracking URI and active run: the model pickled whole (gaexp must be importable to load
+    it), the run's params, and the run's metrics at `step` (default: none) linked to it. Requirements
+    are given, not inferred (inference reloads the model in a subprocess, seconds per run)."""
+    import mlflow.pytorch
+    mlflow_log = logging.getLogger("mlflow.pytorch")
+    if not any(isinstance(f, _PickleChosen) for f in mlflow_log.filters):
+        mlflow_log.addFilter(_PickleChosen())
+    run = client.get_run(run_id)
+    logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
+                                        params=dict(run.data.params), model_type="pytorch")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            meta = Model(artifact_path=logged.artifact_location, run_id=run_id, model_uuid=logged.model_id,
+                         model_id=logged.model_id)
+            mlflow.pytorch.save_model(model, Path(tmp, "model"), mlflow_model=meta, serialization_format="pickle",
+                                      pip_requirements=mlflow.pytorch.get_default_pip_requirements())
+            client.log_model_artifacts(logged.model_id, str(Path(tmp, "model")))
+        client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step or 0)])
+        if step is not None:
+            metrics = [Metric(m.key, m.value, m.timestamp, m.step, model_id=logged.model_id, run_id=run_id)
+                       for key in run.data.metrics for m in client.get_metric_history(run_id, key) if m.step == step]
+            client.log_batch(run_id, metrics=metrics)
+    except BaseException:
+        client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        raise
+    client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+    return logged.model_id
+
+
+def load_model(tracking_uri: str, run_id: str, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model a run logged (`log_model`; the last one if several), on `device`, in eval mode: from a SQLite
+    store or a tracking server alike, nothing retrained."""
+    import mlflow.artifacts
+    import mlflow.pytorch
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(run_id)
+    outputs = run.outputs.model_outputs if run.outputs else []
+    if not outputs:
+        raise ValueError(f"run {run.info.run_name!r} ({run_id}) in {tracking_uri} logged no model "
+                         f"(status {run.info.status}; a run logs its model when its training ends)")
+    logged = client.get_logged_model(outputs[-1].model_id)
+    if logged.status != LoggedModelStatus.READY:
+        raise ValueError(f"the model {logged.model_id} of run {run.info.run_name!r} ({run_id}) is {logged.status}, "
+                         "not READY: its upload failed")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=logged.artifact_location, dst_path=tmp,
+                                                    tracking_uri=tracking_uri)
+        model = mlflow.pytorch.load_model(local, map_location=device)
+    return model.eval()

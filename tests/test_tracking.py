@@ -1,14 +1,27 @@
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
+import torch
+from mlflow.entities import LoggedModelStatus
 from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
+from gaexp.config import RegimeConfig, TrainConfig
+from gaexp.data import MD5, raw_dir
 from gaexp.hooks import EvalPoint
+from gaexp.model import SimpleModel
+from gaexp.norms import MicroBatchEvalBatchNorm2d
+from gaexp.train import evaluate, train
 
 
 @pytest.fixture
@@ -107,3 +120,144 @@ def test_a_resumed_sweep_claims_the_runs_it_skipped(store):
     tracking.add_to_sweep(client, client.get_run(run_id), "s2")
     run = client.get_run(run_id)
     assert tracking.sweeps_of(run) == ["s1", "s2"] and run.data.tags["sweep_id"] == "s1"
+
+
+# --- a run's datasets and model --------------------------------------------------------------------
+
+def test_the_data_is_logged_as_the_runs_inputs_named_digested_and_in_context(store):
+    client, experiment_id, tmp_path = store
+    directory = raw_dir(tmp_path / "data")
+    with tracking.tracked_run(client, experiment_id, "test-set", {}) as plain:
+        tracking.log_data_inputs(client, plain, "mnist", directory, MD5, holdout=0, num_training=60_000,
+                                 num_validation=10_000)
+    with tracking.tracked_run(client, experiment_id, "held-out", {}) as held:
+        tracking.log_data_inputs(client, held, "mnist", directory, MD5, holdout=10_000, num_training=50_000,
+                                 num_validation=10_000)
+
+    def logged(run_id):
+        return [(d.dataset.name, d.dataset.digest, {t.key: t.value for t in d.tags}["mlflow.data.context"],
+                 json.loads(d.dataset.profile)["num_samples"], json.loads(d.dataset.profile)["selection"])
+                for d in client.get_run(run_id).inputs.dataset_inputs]
+
+    assert sorted(logged(plain)) == [
+        ("mnist-test", "cb2a29a1639ddd87e498b526f8599460", "validation", 10_000, "all"),
+        ("mnist-train", "67971ad41c74e2135ae051b67d0e5f16", "training", 60_000, "all")]
+    assert sorted(logged(held)) == [
+        ("mnist-holdout10000", "8c4a97811100da113d41187c6d4c43c6", "validation", 10_000, "held:holdout=10000:seed=0"),
+        ("mnist-train-minus10000", "020a0dfbe6a3713eacd4ea600b9a25b8", "training", 50_000, "kept:holdout=10000:seed=0")]
+    # the digest: MD5 of the files' sorted MD5s and the selection, 32 characters (MLflow keeps 36)
+    train_md5s = sorted([MD5["train-images-idx3-ubyte"], MD5["train-labels-idx1-ubyte"]])
+    assert hashlib.md5(json.dumps([train_md5s, "all"]).encode()).hexdigest() == "67971ad41c74e2135ae051b67d0e5f16"
+    test = next(d.dataset for d in client.get_run(plain).inputs.dataset_inputs if d.dataset.name == "mnist-test")
+    assert json.loads(test.profile)["files_md5"] == {"t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+                                                     "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637"}
+    assert test.source_type == "local" and json.loads(test.source) == {"uri": directory.as_uri()}
+
+
+def test_files_that_are_not_a_train_and_a_test_split_are_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"mnist: expected train-\* and t10k-\* files, got \['a', 'b'\]"):
+        tracking.data_inputs("mnist", tmp_path, {"a": "0", "b": "1"}, 0, 1, 1)
+
+
+def batch_statistics(model: torch.nn.Module, micro_batch: int) -> torch.nn.Module:
+    """As in docs/usage.md#reloading-a-runs-model: every BatchNorm2d evaluated with the statistics of each group
+    of `micro_batch` images (bn_microeval's layer) instead of its running averages, same weights."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is torch.nn.BatchNorm2d:
+                swap = MicroBatchEvalBatchNorm2d(child.num_features, micro_batch)
+                swap.load_state_dict(child.state_dict())
+                setattr(parent, name, swap)
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained_bn(train_split, small_valid):
+    """The study's model (bn, channels_last as app.build makes it) after 40 steps of 16 images, and its history."""
+    torch.manual_seed(1)
+    model = SimpleModel("bn").to("cpu", memory_format=torch.channels_last)
+    history = train(model, train_split, small_valid, TrainConfig(num_iterations=40, eval_period=20), RegimeConfig(16, 1),
+                    seed=1)
+    return model, history
+
+
+def test_the_model_is_logged_reloaded_and_evaluated_again_without_retraining(store, trained_bn, small_valid):
+    client, experiment_id, _ = store
+    model, history = trained_bn
+    with tracking.tracked_run(client, experiment_id, "bn-bs16a1-s1", {"norm": "bn"}) as run_id:
+        tracking.log_params(client, run_id, {"norm": {"name": "bn"}, "seed": 1})
+        for point in history:
+            tracking.log_eval_point(client, run_id, point)
+        tracking.log_summary(client, run_id, history, wall_seconds=1.0)
+        model_id = tracking.log_model(client, run_id, model, step=40)
+
+    logged = client.get_logged_model(model_id)
+    assert (logged.name, logged.source_run_id, logged.status, logged.params) == (
+        "model", run_id, LoggedModelStatus.READY, {"norm.name": "bn", "seed": "1"})
+    assert [(o.model_id, o.step) for o in client.get_run(run_id).outputs.model_outputs] == [(model_id, 40)]
+    assert {m.key: m.value for m in logged.metrics}["final_valid_acc"] == history[-1].valid_acc
+
+    reloaded = tracking.load_model(client.tracking_uri, run_id)
+    assert type(reloaded) is SimpleModel and not reloaded.training and reloaded is not model
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    running = evaluate(model, small_valid)  # BatchNorm's running averages
+    assert running == history[-1].valid_acc > 0.2  # trained: above chance (0.41 here)
+    assert evaluate(reloaded, small_valid) == running
+    # another BatchNorm evaluation mode on the reloaded weights: the statistics of each 16 images, as trained
+    as_trained = evaluate(batch_statistics(reloaded, 16), small_valid)
+    assert as_trained == evaluate(batch_statistics(copy.deepcopy(model), 16), small_valid)
+    assert as_trained > running + 0.2  # 0.866 here: 40 steps leave the running averages behind
+
+
+def test_a_run_without_a_model_is_a_clear_error(store):
+    client, experiment_id, _ = store
+    with tracking.tracked_run(client, experiment_id, "no-model", {}) as run_id:
+        pass
+    with pytest.raises(ValueError, match=r"run 'no-model' \(\w+\) in sqlite:.* logged no model \(status FINISHED"):
+        tracking.load_model(client.tracking_uri, run_id)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, free_port):
+    """A real `mlflow server` serving its artifacts (as in tests/test_launch.py), stopped however the tests end."""
+    root = tmp_path_factory.mktemp("server")
+    uri = f"http://127.0.0.1:{free_port()}"
+    with (root / "server.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+                                 "--port", uri.rsplit(":", 1)[1], "--workers", "1",
+                                 "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                                 "--artifacts-destination", str(root / "artifacts")],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    tracking.check_server(uri, timeout=1)
+                    break
+                except ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+                    time.sleep(0.5)
+            yield uri
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.mark.slow
+def test_inputs_and_model_through_a_tracking_server(server, tmp_path, trained_bn, small_valid):
+    model, _ = trained_bn
+    client = MlflowClient(server)
+    experiment_id = tracking.prepare_store(server, "exp", None)
+    with tracking.tracked_run(client, experiment_id, "bn-bs16a1-s1", {}) as run_id:
+        tracking.log_data_inputs(client, run_id, "mnist", raw_dir(tmp_path), MD5, 0, 60_000, 10_000)
+        model_id = tracking.log_model(client, run_id, model)
+    assert sorted(d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs) == ["mnist-test", "mnist-train"]
+    assert client.get_logged_model(model_id).artifact_location.startswith("mlflow-artifacts:")
+    reloaded = tracking.load_model(server, run_id)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    assert evaluate(reloaded, small_valid) == evaluate(model, small_valid)
