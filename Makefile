@@ -13,16 +13,19 @@ HOST          ?= 127.0.0.1
 
 .PHONY: setup setup-test data sweep test test-fast docs ui server clean
 
+# Installs print one line each; pip speaks only on errors.
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON_SYSTEM) -m venv $(VENV)
-	$(PIP) --upgrade pip
-	$(PIP) $(TORCH)
-	$(PIP) -e .
-	touch $@
+	@echo "installing into $(VENV): $(TORCH), gaexp and what a sweep needs"
+	@$(PYTHON_SYSTEM) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@$(PIP) $(TORCH)
+	@$(PIP) -e .
+	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e ".[test]"
-	touch $@
+	@echo "installing the test tools into $(VENV): pytest, Ray"
+	@$(PIP) -e ".[test]"
+	@touch $@
 
 setup: $(VENV)/.installed            ## what a sweep needs
 setup-test: $(VENV)/.installed-test  ## and what the tests need (pytest, Ray)
@@ -42,8 +45,8 @@ test-fast: setup-test data   ## the edit loop: everything but the slow tests (su
 docs: setup   ## regenerate the config key tables in docs/usage.md from the schema (gaexp/config.py)
 	$(PYTHON) -c "from gaexp.config import write_docs_table; write_docs_table('docs/usage.md')"
 
-ui:           ## browse every run at http://127.0.0.1:$(PORT)
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/outputs/mlflow.db --host 127.0.0.1 --port $(PORT)
+ui:           ## browse every run: prints each experiment's link to its runs table, then starts the MLflow UI
+	$(PYTHON) -m gaexp.ui --store sqlite:///$(CURDIR)/outputs/mlflow.db --host 127.0.0.1 --port $(PORT)
 
 server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines (docs/cluster.md)
 	mkdir -p outputs/server

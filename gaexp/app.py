@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import contextmanager
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hydra
 import torch
@@ -23,7 +24,7 @@ from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
 from gaexp.config import CONFIG_DIR, NUM_TRAIN, AnalysisConfig, Config, typed, usable_cores
-from gaexp.data import Split, ensure_mnist, holdout_split, load_split, to_input
+from gaexp.data import MD5, Split, ensure_mnist, holdout_split, load_split, raw_dir, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
@@ -207,8 +208,9 @@ def measure_memory(model: torch.nn.Module, data: Split, batch_size: int, device:
 
 def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
                     valid_data: Split, device: torch.device, activation_mb: float, client: MlflowClient,
-                    experiment_id: str, sweep_id: str, hydra_dir: Path | None) -> float:
-    """Train inside an MLflow run that holds the config, every evaluation and the summary. A trial
+                    experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None) -> float:
+    """Train inside an MLflow run that holds the config, every evaluation and the summary (`bar`: a tqdm bar
+    over the steps; None: on a terminal; False: a log line per evaluation). A trial
     reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
     tells the sweeper."""
     compiled = compile_phases(c.compile, c.norm.name, device)
@@ -221,6 +223,8 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
             tracking.log_params(client, run_id, resolved)
+            tracking.log_data_inputs(client, run_id, "mnist", raw_dir(c.data.root), MD5, c.data.holdout,
+                                     len(train_data.labels), len(valid_data.labels))
             with tempfile.TemporaryDirectory() as tmp:
                 (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
                 client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
@@ -228,7 +232,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
                 client.log_artifacts(run_id, str(hydra_dir), "hydra")
             hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
                      *norms.hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *trial,
-                     Progress(c.train.num_iterations, c.run_name, c.progress)]
+                     Progress(c.train.num_iterations, c.run_name, bar)]
             tic = time.perf_counter()
             try:
                 history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled)
@@ -239,6 +243,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
             if device.type == "cuda":
                 memory["cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
+            tracking.log_model(client, run_id, model, step=history[-1].step)  # the eager module: reloadable
     except Stopped as e:
         log.info("%s: %s", c.run_name, e)
         raise optuna.TrialPruned(str(e)) from None
@@ -246,7 +251,8 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     return history[-1].valid_acc
 
 
-def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, guessed_cells: int | None = None) -> float:
+def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, guessed_cells: int | None = None,
+             in_sweep: bool = False) -> float:
     """Train one cell of the grid and track it; returns the final valid accuracy. The store and data
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
@@ -264,8 +270,24 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
         return done.data.metrics["final_valid_acc"]
     model, train_data, valid_data = build(c, device)
     activation_mb = measure_memory(model, train_data, c.regime.batch_size, device)
+    bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
     return train_and_track(c, resolved, key, model, train_data, valid_data, device, activation_mb, client,
-                           experiment_id, sweep_id, hydra_dir)
+                           experiment_id, sweep_id, hydra_dir, bar)
+
+
+@contextmanager
+def quiet_console(quiet: bool, level: int = logging.WARNING) -> Iterator[None]:
+    """While a cell runs in a sweep: only warnings and errors on the console handlers Hydra gave the job (its
+    log file keeps everything). Restored after, for launchers that run cells in the launching process."""
+    handlers = [h for h in logging.getLogger().handlers if type(h) is logging.StreamHandler] if quiet else []
+    levels = [h.level for h in handlers]  # type(...) is: a FileHandler subclasses StreamHandler
+    for handler in handlers:
+        handler.setLevel(level)
+    try:
+        yield
+    finally:
+        for handler, before in zip(handlers, levels):
+            handler.setLevel(before)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
@@ -274,9 +296,10 @@ def main(cfg: DictConfig) -> float:
     output_dir = Path(hc.runtime.output_dir)
     if hc.mode != RunMode.MULTIRUN:
         return run_cell(cfg, sweep_id=Path(hc.run.dir).name, hydra_dir=output_dir / hc.output_subdir)
-    try:
-        return run_cell(cfg, sweep_id=Path(hc.sweep.dir).name, hydra_dir=output_dir / hc.output_subdir,
-                        guessed_cells=guess_cells_at_once(hc.launcher, hc.sweeper))
+    try:  # the launching terminal shows the sweep's progress; the cell's lines go to its gaexp.log
+        with quiet_console(not hc.verbose):
+            return run_cell(cfg, sweep_id=Path(hc.sweep.dir).name, hydra_dir=output_dir / hc.output_subdir,
+                            guessed_cells=guess_cells_at_once(hc.launcher, hc.sweeper), in_sweep=True)
     except optuna.TrialPruned:
         raise  # not a failure: the sweeper records the trial PRUNED
     except Exception as e:  # noqa: BLE001 - one failed cell must not stop the others; FailuresCallback reports it

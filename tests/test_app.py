@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from gaexp import progress
 from gaexp.app import prepare, run_cell, threads_for
 from tests.conftest import TINY
 
@@ -51,6 +52,7 @@ def sweep(tmp_path_factory, gaexp_command, training_runs):
     out = tmp_path_factory.mktemp("sweep")
     proc = gaexp_command(out, "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (out / "console.txt").write_text(proc.stdout)  # what the launching terminal showed
     client, runs = training_runs(f"sqlite:///{out}/mlflow.db")
     return out, client, runs
 
@@ -63,6 +65,32 @@ def test_sweep_records_one_finished_run_per_cell(sweep):
     tags = runs["bn-bs1a16-s1"].data.tags
     assert (tags["norm"], tags["regime"], tags["seed"], tags["batch_size"], tags["num_accum"]) == ("bn", "bs1a16", "1", "1", "16")
     assert len({run.data.tags["sweep_id"] for run in runs.values()}) == 1
+
+
+@pytest.mark.slow
+def test_sweep_runs_the_longest_cells_first_and_records_its_plan(sweep):
+    out, client, runs = sweep
+    started = sorted(runs, key=lambda name: runs[name].info.start_time)
+    assert started == ["bn-bs1a16-s1", "gn4-bs1a16-s1", "bn-bs16a1-s1", "gn4-bs16a1-s1"]  # given: bn-bs16a1 second
+    sweep_id = runs["bn-bs1a16-s1"].data.tags["sweep_id"]
+    (plan,) = client.search_runs([runs["bn-bs1a16-s1"].info.experiment_id], "attributes.run_name = 'sweep-%s'" % sweep_id)
+    assert plan.info.status == "FINISHED"
+    assert (plan.data.tags["gaexp.cells"], plan.data.tags["gaexp.order"]) == ("4", "longest_first")
+    expected = sum(progress.expected_seconds(b, k, 4, 2) for b, k in [(1, 16), (1, 16), (16, 1), (16, 1)])
+    assert float(plan.data.tags["gaexp.expected_s"]) == pytest.approx(expected, abs=0.5)
+
+
+@pytest.mark.slow
+def test_sweep_terminal_shows_a_line_per_cell_and_the_report_while_cell_logs_keep_their_evaluations(sweep):
+    out, _, runs = sweep
+    console = (out / "console.txt").read_text().splitlines()
+    ended = [line for line in console if " FINISHED (" in line]
+    assert sorted(line.split()[0] for line in ended) == sorted(runs)
+    assert ended[-1].split(" | ")[1].startswith("4/4 cells: 4 finished, 0 running; 100% of the work; elapsed ")
+    assert not [line for line in console if " step 2/4 " in line]  # evaluations stay in the cells' logs
+    assert any(line.startswith("| bn | ") for line in console)  # the report, after cells ran in this process
+    logs = sorted(out.glob("multirun/*/*/gaexp.log"))
+    assert len(logs) == 4 and all(" step 2/4 " in log.read_text() for log in logs)
 
 
 @pytest.mark.slow

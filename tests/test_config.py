@@ -172,7 +172,8 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["config", "data", "hooks", "norms", "model", "memory", "train", "tracking", "tuning", "analysis", "compare",
+LAYERS = ["config", "data", "hooks", "norms", "model", "memory", "train", "tracking", "progress", "tuning", "analysis",
+          "ui", "compare",
           "bench", "app", "__main__"]
 
 

@@ -1,0 +1,1 @@
+"""gaexp's grid sweeper: Hydra's basic sweeper, longest cells first, with progress: `hydra/sweeper=gaexp_grid`."""

@@ -1,0 +1,97 @@
+"""Hydra's basic sweeper (the product of the swept values), with gaexp's two additions.
+
+- Longest cells first: launchers start cells in the order given, so a long cell started last keeps one
+  core busy while the others idle. Each cell's config is composed (as Hydra's own check does anyway) and
+  its expected work computed (gaexp/progress.py); the cells run longest first, ties in the given order.
+- Progress: the plan is recorded as an MLflow run `sweep-<id>`, and while the launcher runs, the
+  launching terminal shows the cells by state and an ETA, read from the tracking store (any launcher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from gaexp import progress, tracking
+from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
+
+log = logging.getLogger(__name__)
+
+
+def longest_first(cells: Sequence[Sequence[str]], costs: Sequence[float]) -> List[List[str]]:
+    """The cells by expected work, longest first; equal ones keep their order (sorted is stable)."""
+    return [list(cells[i]) for i in sorted(range(len(cells)), key=lambda i: -costs[i])]
+
+
+class GridSweeper(BasicSweeper):
+    def __init__(self, max_batch_size: Optional[int], params: Optional[Dict[str, str]] = None,
+                 order: str = "longest_first", progress: Optional[bool] = None, poll_s: float = 5.0) -> None:
+        if order not in ORDERS:
+            raise HydraException(f"hydra.sweeper.order={order!r}; valid: {', '.join(ORDERS)}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise HydraException(f"hydra.sweeper.max_batch_size={max_batch_size!r}; valid: null or an integer >= 1")
+        if poll_s <= 0:
+            raise HydraException(f"hydra.sweeper.poll_s={poll_s!r}; valid: seconds > 0")
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        self.order, self.show, self.poll_s = order, progress, poll_s
+
+    def cost(self, overrides: Sequence[str]) -> float:
+        cfg = self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
+                                                                 sweep_overrides=list(overrides))
+        return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
+                                         cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        (cells,) = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)
+        costs = [self.cost(cell) for cell in cells]  # composes every cell: bad overrides stop the sweep here
+        if self.order == "longest_first":
+            cells, costs = longest_first(cells, costs), sorted(costs, reverse=True)
+        size = self.max_batch_size or len(cells)
+        self.overrides = [cells[i:i + size] for i in range(0, len(cells), size)]
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        at_once = self.config.get("cells_at_once")
+        plan = progress.Plan(len(cells), sum(costs), at_once if at_once and at_once > 0 else None)
+        varying = [i for i in range(len(cells[0]) if cells else 0) if len({c[i] for c in cells}) > 1]
+        log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
+                 self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
+                 progress.duration(plan.expected_s))
+        with self.tracked(plan, sweep_dir):
+            returns, job_idx = [], 0
+            while not self.is_done():
+                batch = self.get_job_batch()
+                results = self.launcher.launch(batch, initial_job_idx=job_idx)
+                for r in results:
+                    _ = r.return_value  # as the basic sweeper: a job's exception surfaces here
+                job_idx += len(batch)
+                returns.append(results)
+            return returns
+
+    @contextmanager
+    def tracked(self, plan: progress.Plan, sweep_dir: Path) -> Iterator[None]:
+        """The plan as a run `sweep-<id>` (FINISHED when every launch returned), live progress meanwhile."""
+        cfg = self.config
+        client = MlflowClient(cfg.mlflow.tracking_uri)
+        experiment_id = tracking.experiment_id(client, cfg.mlflow.experiment_name)
+        tags = {"gaexp.role": progress.ROLE, "sweep_id": sweep_dir.name, "gaexp.cells": plan.cells,
+                "gaexp.expected_s": f"{plan.expected_s:.3f}", "gaexp.cells_at_once": plan.cells_at_once or "",
+                "gaexp.order": self.order}
+        with tracking.tracked_run(client, experiment_id, f"sweep-{sweep_dir.name}", tags) as run_id:
+            if self.show is False:
+                yield
+                return
+            plan = dataclasses.replace(plan, started=client.get_run(run_id).info.start_time / 1000)
+            with progress.Live(cfg.mlflow.tracking_uri, experiment_id, sweep_dir.name, plan, sweep_dir, run_id, self.poll_s,
+                               bar=self.show):
+                yield
