@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from contextlib import contextmanager
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
