@@ -3,7 +3,8 @@
 PYTHON_SYSTEM ?= python3
 VENV          ?= .venv
 PYTHON        := $(VENV)/bin/python
-PIP           := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# pip -qq: errors only (not even the warnings a local package index prints)
+PIP           := $(PYTHON) -m pip install --quiet --quiet --disable-pip-version-check
 # Pinned and installed first: a bare `torch` requirement lets pip pick a multi-GB build.
 TORCH         ?= torch==2.14.1 torchvision==0.29.1
 JOBS          ?= $(shell nproc 2>/dev/null || echo 2)

@@ -190,7 +190,7 @@ class Live:
     (the store busy) is retried at the next poll."""
 
     def __init__(self, tracking_uri: str, experiment_id: str, sweep_id: str, plan: Plan, sweep_dir: Path,
-                 plan_run_id: str | None = None, every: float = 5.0, bar: bool | None = None, out: TextIO | None = None
+                 plan_run_id: str | None = None, every: float = 10.0, bar: bool | None = None, out: TextIO | None = None
                  ) -> None:
         self.client, self.experiment_id, self.sweep_id = MlflowClient(tracking_uri), experiment_id, sweep_id
         self.plan, self.sweep_dir, self.plan_run_id, self.every = plan, sweep_dir, plan_run_id, every

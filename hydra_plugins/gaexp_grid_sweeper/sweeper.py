@@ -34,7 +34,7 @@ def longest_first(cells: Sequence[Sequence[str]], costs: Sequence[float]) -> Lis
 
 class GridSweeper(BasicSweeper):
     def __init__(self, max_batch_size: Optional[int], params: Optional[Dict[str, str]] = None,
-                 order: str = "longest_first", progress: Optional[bool] = None, poll_s: float = 5.0) -> None:
+                 order: str = "longest_first", progress: Optional[bool] = None, poll_s: float = 10.0) -> None:
         if order not in ORDERS:
             raise HydraException(f"hydra.sweeper.order={order!r}; valid: {', '.join(ORDERS)}")
         if max_batch_size is not None and max_batch_size < 1:
