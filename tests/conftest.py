@@ -4,9 +4,12 @@ compose the real config, one tiny budget, and one way to run the real command.""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,36 @@ def free_port():
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     return pick
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, free_port):
+    """A real MLflow tracking server serving its artifacts, (uri, root folder); stopped (its whole process
+    group) however the tests end."""
+    root = tmp_path_factory.mktemp("server")
+    uri = f"http://127.0.0.1:{free_port()}"
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
+                             "--workers", "2", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        yield uri, root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()

@@ -11,51 +11,15 @@ import csv
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
 from gaexp.app import guess_cells_at_once, launcher_warnings, threads_for
 from gaexp.config import typed, usable_cores
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, free_port):
-    """A real MLflow tracking server; stopped (its whole process group) however the tests end."""
-    root = tmp_path_factory.mktemp("server")
-    uri = f"http://127.0.0.1:{free_port()}"
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
-                             "--workers", "2", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-                time.sleep(0.5)
-        yield uri, root
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +95,20 @@ def test_analysis_cli_reads_the_server(local_sweeps, server):
     for run in runs.values():  # window 0: every evaluation of every run, read back over HTTP
         history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "valid_acc")]
         assert [(int(r["step"]), float(r["valid_acc"])) for r in rows if r["run_id"] == run.info.run_id] == history
+
+
+@pytest.mark.slow
+def test_status_reads_both_sweeps_from_the_server(local_sweeps, server):
+    """gaexp-status from another process, over HTTP: the resume skipped the first sweep's 2 cells."""
+    _, _, _, _, sweep_ids, _ = local_sweeps
+    uri, _ = server
+    proc = subprocess.run([sys.executable, "-m", "gaexp.progress", "--tracking-uri", uri, "--sweep", "all"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    blocks = {b.splitlines()[0]: b.splitlines()[1].strip() for b in proc.stdout.strip().split("\n\n")}
+    assert blocks[f"sweep {sweep_ids[0]} (FINISHED)"].startswith("2/2 cells: 2 finished, 0 running; 100% of the work")
+    assert blocks[f"sweep {sweep_ids[1]} (FINISHED)"].startswith(
+        "4/4 cells: 2 finished, 2 skipped, 0 running; 100% of the work")
 
 
 @pytest.mark.slow

@@ -3,11 +3,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -217,47 +214,17 @@ def test_a_run_without_a_model_is_a_clear_error(store):
         tracking.load_model(client.tracking_uri, run_id)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, free_port):
-    """A real `mlflow server` serving its artifacts (as in tests/test_launch.py), stopped however the tests end."""
-    root = tmp_path_factory.mktemp("server")
-    uri = f"http://127.0.0.1:{free_port()}"
-    with (root / "server.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
-                                 "--port", uri.rsplit(":", 1)[1], "--workers", "1",
-                                 "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                                 "--artifacts-destination", str(root / "artifacts")],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    tracking.check_server(uri, timeout=1)
-                    break
-                except ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-                    time.sleep(0.5)
-            yield uri
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 @pytest.mark.slow
 def test_inputs_and_model_through_a_tracking_server(server, tmp_path, trained_bn, small_valid):
+    uri, _ = server
     model, _ = trained_bn
-    client = MlflowClient(server)
-    experiment_id = tracking.prepare_store(server, "exp", None)
+    client = MlflowClient(uri)
+    experiment_id = tracking.prepare_store(uri, "exp", None)
     with tracking.tracked_run(client, experiment_id, "bn-bs16a1-s1", {}) as run_id:
         tracking.log_data_inputs(client, run_id, "mnist", raw_dir(tmp_path), MD5, 0, 60_000, 10_000)
         model_id = tracking.log_model(client, run_id, model)
     assert sorted(d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs) == ["mnist-test", "mnist-train"]
     assert client.get_logged_model(model_id).artifact_location.startswith("mlflow-artifacts:")
-    reloaded = tracking.load_model(server, run_id)
+    reloaded = tracking.load_model(uri, run_id)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
     assert evaluate(reloaded, small_valid) == evaluate(model, small_valid)

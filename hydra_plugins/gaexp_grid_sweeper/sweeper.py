@@ -19,7 +19,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from gaexp import progress, tracking
 from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
