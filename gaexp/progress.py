@@ -192,7 +192,8 @@ class Live:
     def __init__(self, tracking_uri: str, experiment_id: str, sweep_id: str, plan: Plan, sweep_dir: Path,
                  plan_run_id: str | None = None, every: float = 10.0, bar: bool | None = None, out: TextIO | None = None
                  ) -> None:
-        self.client, self.experiment_id, self.sweep_id = MlflowClient(tracking_uri), experiment_id, sweep_id
+        self.uri, self.experiment_id, self.sweep_id = tracking_uri, experiment_id, sweep_id
+        self.client: MlflowClient | None = None  # made at the first poll, where a store that fails is waited out
         self.plan, self.sweep_dir, self.plan_run_id, self.every = plan, sweep_dir, plan_run_id, every
         self.out = out or sys.stdout  # printed, not logged: an in-process launcher's cells reconfigure logging
         self.bar = sys.stderr.isatty() if bar is None else bar
@@ -223,11 +224,12 @@ class Live:
     def poll(self) -> Snapshot | None:
         now = time.time()
         try:
+            self.client = self.client or MlflowClient(self.uri)
             plan, cells = read(self.client, self.experiment_id, self.sweep_id, now)
             if self.plan_run_id and now - self.last_beat > 60:  # the plan run's process is alive
                 self.client.set_tag(self.plan_run_id, HEARTBEAT, f"{now:.0f}")
                 self.last_beat = now
-        except MlflowException as e:
+        except Exception as e:  # noqa: BLE001 - a busy store, a server restarting: the progress waits, the sweep goes on
             log.debug("progress: store not read (%s)", e)
             return None
         recorded_failures = sum(c.status == "FAILED" for c in cells)

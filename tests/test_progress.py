@@ -211,3 +211,12 @@ def test_live_on_a_terminal_draws_one_bar_over_the_work(store, tmp_path, capsys)
     last = err.err.rstrip().split("\r")[-1]
     assert last.startswith(" 75% |")
     assert last.endswith("| 2/4 cells: 1 finished, 1 killed, 1 running, 1 waiting; elapsed 0m00s, ETA 0m50s")
+
+
+def test_live_waits_out_a_store_it_cannot_read(tmp_path):
+    """A store that cannot be read (here: not a database) skips a poll; it never stops the sweep."""
+    (tmp_path / "mlflow.db").write_bytes(b"not a database" * 100)
+    live = progress.Live(f"sqlite:///{tmp_path}/mlflow.db", "1", SWEEP, Plan(1, 10.0, 1, 0), tmp_path,
+                         bar=False, out=io.StringIO())
+    assert live.poll() is None
+    assert (tmp_path / "mlflow.db").read_bytes() == b"not a database" * 100  # nothing written either
