@@ -268,20 +268,21 @@ def sweeps_to_show(client: MlflowClient, experiment_id: str, wanted: str) -> lis
 
 
 def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_after_s: float = 3600,
-                now: float | None = None) -> str:
+                now: float | None = None) -> tuple[str, bool]:
+    """The sweep's status block, and whether its plan run is still RUNNING."""
     now = time.time() if now is None else now
     plan_run, runs = sweep_runs(client, experiment_id, sweep_id)
     if plan_run is None and not runs:
         raise ValueError(f"no sweep {sweep_id!r} in this experiment")
     plan, cells = plan_of(plan_run), [cell_of(client, r, sweep_id, now) for r in runs]
     if plan.started is None and cells:  # no plan recorded: the sweep started with its first cell
-        plan = Plan(None, None, None, min(now - c.elapsed_s for c in cells) if cells else None)
+        plan = Plan(None, None, None, min(now - c.elapsed_s for c in cells))
     snap = snapshot(plan, cells, now=now)
     state = f" ({plan_run.info.status})" if plan_run is not None else " (no plan recorded: cells so far)"
     lines = [f"sweep {sweep_id}{state}", "  " + summary_line(snap), *running_lines(cells, stale_after_s)]
     for c in sorted((c for c in cells if c.status in ("FAILED", "KILLED")), key=lambda c: c.name):
         lines.append(f"  {c.name:<20} {c.status} after step {c.step}/{c.steps}")
-    return "\n".join(lines)
+    return "\n".join(lines), plan_run is not None and plan_run.info.status == "RUNNING"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -315,10 +316,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             shown = sweeps_to_show(client, experiment.experiment_id, args.sweep)
             if not shown:
                 sys.exit(f"error: experiment {args.experiment!r} has no gaexp sweep yet")
-            print("\n\n".join(status_text(client, experiment.experiment_id, s, args.stale_after_s) for s in shown),
-                  flush=True)
-            plans = [sweep_runs(client, experiment.experiment_id, s)[0] for s in shown]
-            if not args.watch or not any(p is not None and p.info.status == "RUNNING" for p in plans):
+            blocks = [status_text(client, experiment.experiment_id, s, args.stale_after_s) for s in shown]
+            print("\n\n".join(text for text, _ in blocks), flush=True)
+            if not args.watch or not any(running for _, running in blocks):
                 return
             time.sleep(args.watch)
             print()

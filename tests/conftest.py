@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hydra import compose as hydra_compose
@@ -103,29 +105,24 @@ def free_port():
     return pick
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, free_port):
-    """A real MLflow tracking server serving its artifacts, (uri, root folder); stopped (its whole process
-    group) however the tests end."""
-    root = tmp_path_factory.mktemp("server")
-    uri = f"http://127.0.0.1:{free_port()}"
-    log = (root / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
-                             "--workers", "2", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+@contextmanager
+def serving(argv: list[str], url: str, log_path: Path, what: str = "mlflow server") -> Iterator[subprocess.Popen]:
+    """Run `argv` in its own process group (output to `log_path`) until `url`/health answers; stop the whole
+    group however the caller ends."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while True:
             try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=1) as response:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
                     if response.status == 200:
                         break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+                    raise RuntimeError(f"{what} did not start: {log_path.read_text()[-2000:]}")
                 time.sleep(0.5)
-        yield uri, root
+        yield proc
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -133,4 +130,22 @@ def server(tmp_path_factory, free_port):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """serve(argv, url, log_path, what): `serving`, the one way tests run a server process."""
+    return serving
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, free_port):
+    """A real MLflow tracking server serving its artifacts, (uri, root folder); stopped (its whole process
+    group) however the tests end."""
+    root = tmp_path_factory.mktemp("server")
+    uri = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
+            "--workers", "2", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+            "--artifacts-destination", str(root / "artifacts")]
+    with serving(argv, uri, root / "server.log"):
+        yield uri, root

@@ -4,14 +4,10 @@ Chromium against a real `mlflow ui`, that the link opens the runs table."""
 from __future__ import annotations
 
 import html
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -92,7 +88,7 @@ def test_a_missing_store_says_to_run_a_sweep_first(tmp_path, monkeypatch):
 # --- in a real browser --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ui_server(tmp_path_factory, free_port):
+def ui_server(tmp_path_factory, free_port, serve):
     """`python -m gaexp.ui` on a small store made before the tag: (the link it printed, its process's output file).
     The UI runs until the module's tests end (its whole process group is stopped)."""
     if CHROMIUM is None:
@@ -101,30 +97,11 @@ def ui_server(tmp_path_factory, free_port):
     uri, _ = make_store(root, tagged=False)
     port = free_port()
     log_path = root / "ui.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gaexp.ui", "--store", uri, "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow ui did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.5)
+    with serve([sys.executable, "-m", "gaexp.ui", "--store", uri, "--port", str(port)], f"http://127.0.0.1:{port}",
+               log_path, "mlflow ui"):
         link = re.search(r"^gaexp: 2 runs  (\S+)$", log_path.read_text(), re.M)
         assert link, log_path.read_text()[-2000:]
         yield link[1], root
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def rendered(url: str, profile: Path) -> str:
