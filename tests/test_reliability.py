@@ -17,7 +17,9 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
 from gaexp.app import prepare
-from gaexp.data import MD5, raw_dir
+from gaexp.data import data_config, raw_dir
+
+MD5 = data_config("mnist").files
 from tests.conftest import TINY
 
 LONGER = ["train.num_iterations=40", "train.eval_period=20"]  # long enough for a kill to land mid-sweep
@@ -133,7 +135,12 @@ BAD = {
     "learning rate": (["train.lr=-1"], ValueError, r"train.lr=-1.0; valid: a finite number > 0"),
     "device": (["device=tpu"], ValueError, r"device='tpu'; valid: auto, cpu, cuda"),
     "file store": (["mlflow.tracking_uri=./mlruns"], ValueError, r"mlflow.tracking_uri='./mlruns'; valid: sqlite"),
-    "data source": (["data.sources=[usb]"], Exception, r"unknown data source\(s\) \['usb'\]; valid: \['local', "),
+    "data source": (["data.sources=[usb]"], ValueError, r"data.sources=\['usb'\]; valid: a list of local, torchvision, pypi"),
+    "dataset's source": (["data=fashion_mnist", "data.sources=[pypi]"], ValueError,
+                         r"data.sources=\['pypi'\]; valid: a list of local, torchvision, debian \(the sources of "
+                         r"data=fashion_mnist\)"),
+    "dataset": (["data=cifar10"], Exception, r"Could not find 'data/cifar10'(.|\n)*Available options in 'data':\n\tfashion_mnist\n\tmnist"),
+    "hold-out": (["data.holdout=60000"], ValueError, r"data.holdout=60000; valid: an integer in \[0, 60000\)"),
 }
 
 
@@ -177,8 +184,8 @@ def test_missing_and_corrupted_data_name_the_file_and_md5(store, compose, data_r
     with pytest.raises(Exception, match=f"train-images-idx3-ubyte  md5 {MD5['train-images-idx3-ubyte']}"):
         prepare(compose(*TINY, f"data.root={empty}", outputs=tmp_path))
     broken = tmp_path / "broken"
-    shutil.copytree(raw_dir(data_root), raw_dir(broken))
-    (raw_dir(broken) / "t10k-images-idx3-ubyte").write_bytes(b"\0" * 100)
+    shutil.copytree(raw_dir(data_config("mnist", data_root)), raw_dir(data_config("mnist", broken)))
+    (raw_dir(data_config("mnist", broken)) / "t10k-images-idx3-ubyte").write_bytes(b"\0" * 100)
     with pytest.raises(Exception, match=f"corrupted .*t10k-images-idx3-ubyte: md5 .*, expected {MD5['t10k-images-idx3-ubyte']}"):
         prepare(compose(*TINY, f"data.root={broken}", outputs=tmp_path))
     assert snapshot() == before

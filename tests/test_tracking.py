@@ -14,7 +14,9 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
 from gaexp.config import RegimeConfig, TrainConfig
-from gaexp.data import MD5, raw_dir
+from gaexp.data import data_config, raw_dir
+
+MD5 = data_config("mnist").files
 from gaexp.hooks import EvalPoint
 from gaexp.model import SimpleModel
 from gaexp.norms import MicroBatchEvalBatchNorm2d
@@ -123,7 +125,7 @@ def test_a_resumed_sweep_claims_the_runs_it_skipped(store):
 
 def test_the_data_is_logged_as_the_runs_inputs_named_digested_and_in_context(store):
     client, experiment_id, tmp_path = store
-    directory = raw_dir(tmp_path / "data")
+    directory = raw_dir(data_config("mnist", tmp_path / "data"))
     with tracking.tracked_run(client, experiment_id, "test-set", {}) as plain:
         tracking.log_data_inputs(client, plain, "mnist", directory, MD5, holdout=0, num_training=60_000,
                                  num_validation=10_000)
@@ -221,7 +223,8 @@ def test_inputs_and_model_through_a_tracking_server(server, tmp_path, trained_bn
     client = MlflowClient(uri)
     experiment_id = tracking.prepare_store(uri, "exp", None)
     with tracking.tracked_run(client, experiment_id, "bn-bs16a1-s1", {}) as run_id:
-        tracking.log_data_inputs(client, run_id, "mnist", raw_dir(tmp_path), MD5, 0, 60_000, 10_000)
+        tracking.log_data_inputs(client, run_id, "mnist", raw_dir(data_config("mnist", tmp_path)), MD5, 0, 60_000,
+                                 10_000)
         model_id = tracking.log_model(client, run_id, model)
     assert sorted(d.dataset.name for d in client.get_run(run_id).inputs.dataset_inputs) == ["mnist-test", "mnist-train"]
     assert client.get_logged_model(model_id).artifact_location.startswith("mlflow-artifacts:")
