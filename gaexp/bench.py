@@ -25,11 +25,11 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
-from torchvision.datasets import MNIST
 from torchvision.transforms import ToTensor
 
-from gaexp.config import COMPILE_CHOICES, DEVICES, regime_name
-from gaexp.data import DataError, Split, data_config, datasets, ensure_data, load_split, micro_batch_indices
+from gaexp.config import COMPILE_CHOICES, DEVICES, DataConfig, regime_name
+from gaexp.data import (DataError, Split, data_config, datasets, ensure_data, load_split, micro_batch_indices,
+                        torchvision_class)
 from gaexp.model import SimpleModel
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device
 
@@ -93,9 +93,10 @@ def evaluation(valid: Split, norm: str, images: int, device: torch.device, compi
     return images / seconds, max(0.0, first - seconds) if compiled else 0.0
 
 
-def naive_training(root: str, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
+def naive_training(source: DataConfig, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
     """Samples/s of the usual loop: DataLoader + ToTensor, NCHW, `.item()` every micro-step."""
-    loader = DataLoader(MNIST(root, train=True, transform=ToTensor()), batch_size=b, shuffle=True)
+    loader = DataLoader(torchvision_class(source)(source.root, train=True, transform=ToTensor()), batch_size=b,
+                        shuffle=True)
     torch.manual_seed(0)
     model = SimpleModel(norm)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -113,10 +114,11 @@ def naive_training(root: str, norm: str, b: int, k: int, samples: int) -> tuple[
     return micro_steps * b / (time.perf_counter() - tic), 0.0
 
 
-def naive_evaluation(root: str, norm: str, images: int) -> tuple[float, float]:
+def naive_evaluation(source: DataConfig, norm: str, images: int) -> tuple[float, float]:
     """Images/s of the usual evaluation: batches of 32, NumPy argmax."""
     model = SimpleModel(norm).eval()
-    loader = DataLoader(Subset(MNIST(root, train=False, transform=ToTensor()), range(images)), batch_size=32)
+    test = torchvision_class(source)(source.root, train=False, transform=ToTensor())
+    loader = DataLoader(Subset(test, range(images)), batch_size=32)
     correct = 0
     tic = time.perf_counter()
     with torch.no_grad():
@@ -214,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, (b, k) in [*args.regimes.items(), ("eval", (0, 0))]:
             if name == "eval":
                 measure = partial(evaluation, valid, norm, args.eval_images, device)
-                naive = partial(naive_evaluation, root, norm, args.eval_images)
+                naive = partial(naive_evaluation, source, norm, args.eval_images)
             else:
                 measure = partial(training, data, norm, b, k, args.samples, device)
-                naive = partial(naive_training, root, norm, b, k, args.samples)
+                naive = partial(naive_training, source, norm, b, k, args.samples)
             sides = {"eager": partial(measure, compiled=False)}
             if ("eval" if name == "eval" else "train") in phases:
                 sides["gaexp"] = partial(measure, compiled=True)

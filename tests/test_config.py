@@ -11,7 +11,6 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from omegaconf.errors import ValidationError
 
 from gaexp import tracking
 from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, markdown_table, protocol_part,

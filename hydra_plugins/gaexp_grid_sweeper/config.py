@@ -1,6 +1,6 @@
 """The grid sweeper's settings, registered as `hydra/sweeper=gaexp_grid` (the basic sweeper's, and two more)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional
 
 from hydra.core.config_store import ConfigStore
