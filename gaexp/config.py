@@ -431,11 +431,14 @@ def write_docs_table(path: str) -> None:
 # --- registration ---------------------------------------------------------------------------------
 
 def usable_cores() -> int:
-    """CPUs this process may run on: its affinity mask (what SLURM or taskset grants), not the whole machine."""
+    """CPUs this process may run on: its affinity mask (what taskset, or SLURM's task/affinity and cgroup
+    plugins, grant), and in a SLURM task at most its SLURM_CPUS_PER_TASK (clusters that do not bind CPUs)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    granted = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return min(cores, int(granted)) if granted.isdigit() and int(granted) > 0 else cores
 
 
 def register() -> None:

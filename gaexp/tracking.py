@@ -10,7 +10,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -35,6 +37,8 @@ if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logge
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
+SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK, what scancel and sacct take)
+SLURM_LIVE = ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING")
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
 # MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI overview (traces)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
@@ -138,13 +142,35 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def slurm_job(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The SLURM job this process runs in (`JOB_TASK` for a task of an array), or None outside SLURM."""
+    if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def slurm_job_end(job: str) -> str | None:
+    """How a SLURM job ended (CANCELLED, FAILED, TIMEOUT, NODE_FAIL, ...) as the cluster's accounting tells
+    it; None while it is queued or running, or where `sacct` is missing or does not know the job."""
+    sacct = shutil.which("sacct")
+    if sacct is None:
+        return None
+    try:
+        proc = subprocess.run([sacct, "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    states = proc.stdout.split("\n")[0].split() if proc.returncode == 0 else []  # e.g. "CANCELLED by 0"
+    return states[0] if states and states[0] not in SLURM_LIVE else None
+
+
 def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: float,
                     now: float | None = None) -> list[str]:
     """Mark RUNNING runs whose process is gone KILLED, so nobody reads them as results.
 
-    A run is stale when its process on this host no longer exists, or when its
-    heartbeat (refreshed at each evaluation) is older than `stale_after_s` at `now`
-    (default: the current time).
+    A run is stale when its SLURM job has ended (`sacct`, where the run ran in one), when its
+    process on this host no longer exists, or when its heartbeat (refreshed at each evaluation)
+    is older than `stale_after_s` at `now` (default: the current time).
     """
     now = time.time() if now is None else now
     marked = []
@@ -152,7 +178,10 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
         tags = run.data.tags
         host, _, pid = tags.get(HOST, ":").rpartition(":")
         beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
-        if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+        ended = slurm_job_end(tags[SLURM_JOB]) if SLURM_JOB in tags else None
+        if ended:
+            reason = f"SLURM job {tags[SLURM_JOB]} ended {ended}"
+        elif host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
             reason = f"process {pid} on {host} is gone"
         elif now - beat > stale_after_s:
             reason = f"no heartbeat for {now - beat:.0f} s"
@@ -170,6 +199,8 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
     """A run that always ends: FINISHED, KILLED on Ctrl-C or when stopped on purpose (hooks.Stopped, with
     the step as a tag), FAILED with the error as tags."""
     tags = {**tags, HOST: f"{socket.gethostname()}:{os.getpid()}", HEARTBEAT: f"{time.time():.0f}"}
+    if slurm_job():
+        tags[SLURM_JOB] = slurm_job()
     run_id = client.create_run(experiment_id, run_name=run_name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id
     try:

@@ -1,8 +1,9 @@
 """Beyond one machine: the launch presets (conf/launch/) against a real `mlflow server` over HTTP.
 
 The server is a real process on 127.0.0.1 with its SQLite backend and artifact root in tmp_path.
-submitit_local and Ray really run the cells; SLURM cannot run here, so its preset is checked up
-to the sbatch script submitit writes, with an `sbatch` on PATH that records the script and refuses.
+submitit_local and Ray really run the cells. SLURM runs for real in test_slurm.py; here, where no
+cluster is needed, the preset's knobs are checked up to the sbatch script submitit writes, with an
+`sbatch` on PATH that records the script and refuses.
 """
 
 from __future__ import annotations
@@ -136,12 +137,14 @@ def test_slurm_preset_reaches_sbatch_with_the_cluster_knobs(tmp_path, gaexp_comm
         (bin_dir / tool).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     proc = gaexp_command(tmp_path, "launch=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.array_parallelism=3",
-                         "norm=gn4,none", "regime=bs4a4,bs16a1", env=env)
+                         "hydra.launcher.account=mylab", "hydra.launcher.qos=short", "+experiment=spec",
+                         "norm=gn4,none", "regime=bs4a4,bs16a1", "seed=1", env=env)
     assert proc.returncode != 0 and "no cluster here" in proc.stdout + proc.stderr
     assert "SQLite on a shared file system" in proc.stdout  # the store is local: warned before submitting
     script = (tmp_path / "submitted.sh").read_text()
     for line in ["#SBATCH --partition=gpu", "#SBATCH --cpus-per-task=2", "#SBATCH --array=0-3%3",
-                 "#SBATCH --time=60", "#SBATCH --mem=4GB", "#SBATCH --job-name=gaexp"]:
+                 "#SBATCH --time=60", "#SBATCH --mem=4GB", "#SBATCH --job-name=gaexp-spec", "#SBATCH --account=mylab",
+                 "#SBATCH --qos=short"]:
         assert line in script
     assert not training_runs(f"sqlite:///{tmp_path}/mlflow.db")[1]  # nothing ran, nothing recorded
 
@@ -188,3 +191,15 @@ def test_unknown_launch_preset_lists_the_choices(tmp_path, gaexp_command):
     assert "Could not find 'launch/kubernetes'" in proc.stderr
     assert all(choice in proc.stderr for choice in ["joblib", "local", "ray", "slurm"])
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_slurm_task_uses_at_most_the_cpus_it_was_given(monkeypatch):
+    """Clusters that do not bind CPUs (task/none) still say how many a task has: SLURM_CPUS_PER_TASK."""
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    everything = usable_cores()
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert usable_cores() == 1 and threads_for("auto", 1) == 1
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(everything + 8))  # never more than the CPU mask
+    assert usable_cores() == everything
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "")
+    assert usable_cores() == everything

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import time
@@ -109,6 +110,47 @@ def test_stale_running_runs_are_marked_killed(store):
         assert client.get_run(recent.info.run_id).info.status == "RUNNING"  # heard from 3599 s ago: not yet stale
     assert client.get_run(dead.info.run_id).info.status == "KILLED"
     assert client.get_run(silent.info.run_id).data.tags["gaexp.killed_reason"] == "no heartbeat for 7200 s"
+
+
+def fake_sacct(tmp_path, monkeypatch, states: dict[str, str]) -> None:
+    """An `sacct` on PATH that answers `-j JOB ... -o State` from `states` (nothing for other jobs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cases = "".join(f'    {job}) echo "{state}";;\n' for job, state in states.items())
+    (bin_dir / "sacct").write_text(f'#!/bin/sh\nwhile [ "$1" != "-j" ]; do shift; done\ncase "$2" in\n{cases}esac\n')
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_runs_of_ended_slurm_jobs_are_marked_killed(store, monkeypatch):
+    client, experiment_id, tmp_path = store
+    fake_sacct(tmp_path, monkeypatch, {"41_0": "CANCELLED by 0", "41_1": "RUNNING", "42": "TIMEOUT"})
+    now = float(int(time.time()))
+    runs = {job: client.create_run(experiment_id, run_name=f"job-{job}", tags={
+        tracking.HOST: "node7:123", tracking.HEARTBEAT: f"{now:.0f}", tracking.SLURM_JOB: job}).info.run_id
+        for job in ("41_0", "41_1", "42", "43")}  # 43: unknown to accounting (too old, or another cluster)
+    marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600, now=now)
+    assert sorted(marked) == ["job-41_0 (SLURM job 41_0 ended CANCELLED)", "job-42 (SLURM job 42 ended TIMEOUT)"]
+    assert [client.get_run(runs[j]).info.status for j in ("41_0", "41_1", "42", "43")] == [
+        "KILLED", "RUNNING", "KILLED", "RUNNING"]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no SLURM here: the heartbeat decides
+    assert sorted(tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600, now=now + 3601)) == [
+        "job-41_1 (no heartbeat for 3601 s)", "job-43 (no heartbeat for 3601 s)"]
+
+
+def test_a_run_in_a_slurm_job_is_tagged_with_it(store, monkeypatch):
+    client, experiment_id, _ = store
+    assert tracking.slurm_job({"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "70_3"
+    assert tracking.slurm_job({"SLURM_JOB_ID": "77"}) == "77" and tracking.slurm_job({}) is None
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with tracking.tracked_run(client, experiment_id, "here", {}) as here:
+        pass
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    with tracking.tracked_run(client, experiment_id, "in-a-job", {}) as in_job:
+        pass
+    assert tracking.SLURM_JOB not in client.get_run(here).data.tags
+    assert client.get_run(in_job).data.tags[tracking.SLURM_JOB] == "77"
 
 
 def test_a_resumed_sweep_claims_the_runs_it_skipped(store):
