@@ -23,6 +23,8 @@ from mlflow.tracking import MlflowClient
 from gaexp import analysis
 from gaexp.config import CONFIG_DIR
 from gaexp.data import DataError, Split, data_config, ensure_data, load_split
+from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import unavailable as slurm_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
@@ -46,6 +48,27 @@ def fashion_root() -> Path:
     except DataError as e:
         pytest.skip(f"no Fashion-MNIST: {e}".splitlines()[0] + " ...")
     return DATA_ROOT
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory) -> Iterator[SlurmCluster]:
+    """A real single-node SLURM cluster with accounting (tests/slurm_cluster.py), for the tests marked
+    `slurm`; SLURM_CONF points at it for the session. Skipped with the reason where it cannot start."""
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    before = os.environ.get("SLURM_CONF")
+    try:
+        cluster.start()
+        os.environ["SLURM_CONF"] = str(cluster.conf)
+        yield cluster
+    finally:
+        cluster.stop()
+        if before is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = before
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,133 @@
+"""gaexp on a real SLURM cluster (tests/slurm_cluster.py: one node, with accounting), through the public
+command: `launch=slurm` submits one job array through submitit, the cells log to a real MLflow server,
+and Hydra's callbacks (store preparation, progress, report) run in the submitting process."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import datetime
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+SLURM = ["launch=slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10"]
+
+
+def sacct(slurm, job: str, fields: str = "JobID,JobName,State,Start,End") -> list[dict]:
+    """The cluster's accounting of a job (an array: one row per task)."""
+    proc = slurm.run("sacct", "-n", "-X", "-P", "-j", job, "-o", fields)
+    assert proc.returncode == 0, proc.stderr
+    return [dict(zip(fields.split(","), line.split("|"))) for line in proc.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def grid(slurm, server, tmp_path_factory, gaexp_argv, training_runs):
+    """A 2 x 2 grid submitted as one array, one task at a time (the node has room for two)."""
+    uri, _ = server
+    out = tmp_path_factory.mktemp("slurm-grid")
+    argv = gaexp_argv(out, *SLURM, "hydra.launcher.array_parallelism=1", f"mlflow.tracking_uri={uri}",
+                      "norm=gn4,none", "regime=bs4a4,bs16a1", "seed=1")
+    tic = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    client, runs = training_runs(uri)
+    return SimpleNamespace(out=out, pid=proc.pid, output=stdout + stderr, client=client, runs=runs, uri=uri,
+                           seconds=time.monotonic() - tic)
+
+
+def test_the_grid_is_one_array_whose_tasks_log_finished_runs(grid, slurm):
+    assert sorted(grid.runs) == ["gn4-bs16a1-s1", "gn4-bs4a4-s1", "none-bs16a1-s1", "none-bs4a4-s1"]
+    assert all(run.info.status == "FINISHED" for run in grid.runs.values())
+    jobs = {name: run.data.tags["slurm_job_id"] for name, run in grid.runs.items()}
+    array = {job.split("_")[0] for job in jobs.values()}
+    assert len(array) == 1 and sorted(job.split("_")[1] for job in jobs.values()) == ["0", "1", "2", "3"]
+    tasks = sacct(slurm, array.pop())
+    assert sorted(t["JobID"] for t in tasks) == sorted(jobs.values())
+    assert {(t["JobName"], t["State"]) for t in tasks} == {("gaexp-grid", "COMPLETED")}
+    assert all(run.data.tags["threads"] == "1" for run in grid.runs.values())  # its cpus_per_task
+    (script,) = grid.out.glob("multirun/*/.submitit/*/*_submission.sh")
+    text = script.read_text()
+    assert all(line in text for line in ["#SBATCH --array=0-3%1", "#SBATCH --cpus-per-task=1",
+                                         "#SBATCH --job-name=gaexp-grid", "#SBATCH --mem=1GB", "#SBATCH --time=10"])
+
+
+def test_the_array_ran_at_most_array_parallelism_tasks_at_once(grid, slurm):
+    """The node has 2 CPUs and each task asks for 1, so only array_parallelism=1 kept them apart."""
+    array = next(iter(grid.runs.values())).data.tags["slurm_job_id"].split("_")[0]
+    spans = sorted((datetime.fromisoformat(t["Start"]), datetime.fromisoformat(t["End"])) for t in sacct(slurm, array))
+    assert len(spans) == 4 and all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
+    runs = sorted((r.info.start_time, r.info.end_time) for r in grid.runs.values())
+    assert all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:]))
+    allocated = [line for line in slurm.log().splitlines() if f"sched: Allocate JobId={array}_" in line]
+    assert len(allocated) == 4 and all("#CPUs=1 Partition=debug" in line for line in allocated)
+
+
+def test_callbacks_ran_in_the_submitting_process(grid):
+    experiment_id = grid.client.get_experiment_by_name("gaexp").experiment_id
+    (plan,) = grid.client.search_runs([experiment_id], "tags.`gaexp.role` = 'sweep'")
+    (report,) = grid.client.search_runs([experiment_id], "tags.`gaexp.role` = 'report'")
+    for run in (plan, report):  # made by the gaexp command itself, not in a job
+        assert run.data.tags["gaexp.host"].endswith(f":{grid.pid}") and "slurm_job_id" not in run.data.tags
+    assert not any(r.data.tags["gaexp.host"].endswith(f":{grid.pid}") for r in grid.runs.values())
+    assert "4/4 cells: 4 finished" in grid.output and "| gn4 |" in grid.output  # progress lines, then the report
+    assert {"table.md", "curves.png"} <= {a.path for a in grid.client.list_artifacts(report.info.run_id)}
+
+
+def test_a_failing_cell_fails_alone(slurm, server, tmp_path, gaexp_command, training_runs):
+    uri, _ = server
+    proc = gaexp_command(tmp_path, *SLURM, f"mlflow.tracking_uri={uri}", "mlflow.experiment_name=slurm-failure",
+                         "norm=gn4", "regime=bs16a1", "train.lr=1e-3,1e30")
+    assert proc.returncode == 1 and "error: 1 cell(s) failed, the others ran" in proc.stderr, proc.stderr[-3000:]
+    client, _ = training_runs(uri, "slurm-failure")
+    runs = client.search_runs([client.get_experiment_by_name("slurm-failure").experiment_id], "tags.norm = 'gn4'")
+    by_lr = {run.data.params["train.lr"]: run for run in runs}  # two runs named gn4-bs16a1-s1
+    assert by_lr["0.001"].info.status == "FINISHED"
+    assert by_lr["1e+30"].info.status == "FAILED" and by_lr["1e+30"].data.tags["diverged_step"] == "2"
+    jobs = [run.data.tags["slurm_job_id"] for run in by_lr.values()]
+    assert {t["State"] for job in jobs for t in sacct(slurm, job)} == {"COMPLETED"}  # the task caught it
+
+
+def test_a_cancelled_task_is_killed_by_the_next_command_which_redoes_only_it(slurm, server, tmp_path, gaexp_argv,
+                                                                             training_runs):
+    uri, _ = server
+    overrides = [*SLURM, f"mlflow.tracking_uri={uri}", "mlflow.experiment_name=slurm-cancel", "norm=gn4",
+                 "regime=bs16a1,bs4a4", "train.num_iterations=300", "train.eval_period=150"]
+    first = subprocess.Popen(gaexp_argv(tmp_path, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:  # the longer cell (bs4a4, started first) is training: cancel its task
+        _, runs = training_runs(uri, "slurm-cancel")
+        victim = runs.get("gn4-bs4a4-s1")
+        if victim is not None and victim.info.status == "RUNNING":
+            break
+        assert time.monotonic() < deadline and first.poll() is None, "the cell never started"
+        time.sleep(0.5)
+    job = victim.data.tags["slurm_job_id"]
+    assert slurm.run("scancel", job).returncode == 0
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode != 0 and f"{job}" in stderr and "CANCELLED" in stderr, stderr[-3000:]
+    while training_runs(uri, "slurm-cancel")[1]["gn4-bs16a1-s1"].info.status == "RUNNING":
+        time.sleep(0.5)  # the array's other task goes on after the command stopped: let it end, as docs/cluster.md says
+        assert time.monotonic() < deadline + 300
+    _, runs = training_runs(uri, "slurm-cancel")
+    assert runs["gn4-bs4a4-s1"].info.status == "RUNNING"  # its process was killed: nothing could end the run
+    assert sacct(slurm, job)[0]["State"].startswith("CANCELLED")
+    other = runs["gn4-bs16a1-s1"]
+    assert other.info.status == "FINISHED"
+
+    again = subprocess.run(gaexp_argv(tmp_path, *overrides), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    client, _ = training_runs(uri, "slurm-cancel")
+    killed = client.get_run(victim.info.run_id)
+    assert killed.info.status == "KILLED"
+    assert killed.data.tags["gaexp.killed_reason"] == f"SLURM job {job} ended CANCELLED"
+    experiment_id = client.get_experiment_by_name("slurm-cancel").experiment_id
+    cells = client.search_runs([experiment_id], "tags.norm = 'gn4'")
+    assert sorted((r.info.run_name, r.info.status) for r in cells) == [
+        ("gn4-bs16a1-s1", "FINISHED"), ("gn4-bs4a4-s1", "FINISHED"), ("gn4-bs4a4-s1", "KILLED")]
+    assert client.get_run(other.info.run_id).info.status == "FINISHED"  # skipped, not redone
+    assert "1 skipped" in again.stdout + again.stderr
