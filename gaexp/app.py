@@ -220,8 +220,9 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
     tells the sweeper."""
     compiled = compile_phases(c.compile, c.norm.name, device)
-    tags = {"dataset": c.data.dataset, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed, "batch_size": c.regime.batch_size,
-            "num_accum": c.regime.num_accum, "sweep_id": sweep_id, tracking.SWEEPS: sweep_id, "protocol_key": key,
+    tags = {"dataset": c.data.dataset, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
+            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "sweep_id": sweep_id,
+            tracking.SWEEPS: sweep_id, "protocol_key": key,
             "device": device.type, "threads": torch.get_num_threads(),
             "compiled": ",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
             **tuning.trial_tags(c.optuna)}
