@@ -124,7 +124,7 @@ StorageLoc=slurm_acct_db
         cpus = os.cpu_count() or 1
         memory_mb = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 * 0.9)
         self.conf.write_text(f"""ClusterName=gaexptest
-SlurmctldHost={self.node}
+SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -150,7 +150,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 KillWait=5
 MpiDefault=none
-NodeName={self.node} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
         self._spawn("slurmdbd", which("slurmdbd"), "-D")
