@@ -27,6 +27,15 @@ from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
 log = logging.getLogger(__name__)
 
 
+def uncompleted(error: Exception) -> str:
+    """What to do when a cluster task ended without a result (submitit's UncompletedJobError: cancelled, out of
+    time, node lost): its first two lines name the job and its state; the rest is its log."""
+    what = " ".join(str(error).splitlines()[:2])
+    return (f"error: {what}\nThe command stopped waiting; the other tasks it submitted go on. When `squeue` no "
+            "longer lists them, run the same command again: FINISHED cells are skipped, and a cell whose run this "
+            "task left RUNNING is marked KILLED and runs again (docs/cluster.md).")
+
+
 def longest_first(cells: Sequence[Sequence[str]], costs: Sequence[float]) -> List[List[str]]:
     """The cells by expected work, longest first; equal ones keep their order (sorted is stable)."""
     return [list(cells[i]) for i in sorted(range(len(cells)), key=lambda i: -costs[i])]
@@ -71,7 +80,12 @@ class GridSweeper(BasicSweeper):
             returns, job_idx = [], 0
             while not self.is_done():
                 batch = self.get_job_batch()
-                results = self.launcher.launch(batch, initial_job_idx=job_idx)
+                try:
+                    results = self.launcher.launch(batch, initial_job_idx=job_idx)
+                except Exception as e:  # noqa: BLE001 - only submitit's "task ended without a result" is explained
+                    if type(e).__name__ != "UncompletedJobError":
+                        raise
+                    raise SystemExit(uncompleted(e)) from None
                 for r in results:
                     _ = r.return_value  # as the basic sweeper: a job's exception surfaces here
                 job_idx += len(batch)
