@@ -303,10 +303,26 @@ def data_inputs(data_name: str, directory: Path, md5: Mapping[str, str], holdout
                           f"held:{how}")]
 
 
+DUPLICATE = ("UNIQUE constraint failed", "Duplicate entry", "duplicate key value")  # SQLite, MySQL, PostgreSQL
+
+
 def log_data_inputs(client: MlflowClient, run_id: str, data_name: str, directory: Path, md5: Mapping[str, str],
-                    holdout: int, num_training: int, num_validation: int) -> None:
-    """Log the run's training and validation datasets (`data_inputs`) as its inputs."""
-    client.log_inputs(run_id, datasets=data_inputs(data_name, directory, md5, holdout, num_training, num_validation))
+                    holdout: int, num_training: int, num_validation: int, attempts: int = 5) -> None:
+    """Log the run's training and validation datasets (`data_inputs`) as its inputs.
+
+    Cells started together race to create the same dataset row (one per experiment, name and digest):
+    the store checks, both insert, and the second insert breaks the unique constraint. Its transaction
+    is rolled back whole, so logging again finds the row and links it."""
+    datasets = data_inputs(data_name, directory, md5, holdout, num_training, num_validation)
+    for attempt in range(attempts):
+        try:
+            client.log_inputs(run_id, datasets=datasets)
+            return
+        except MlflowException as e:
+            lost_race = "datasets" in str(e) and any(m in str(e) for m in DUPLICATE)
+            if not lost_race or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 class _PickleChosen(logging.Filter):

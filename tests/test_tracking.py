@@ -6,11 +6,13 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
 import torch
 from mlflow.entities import LoggedModelStatus
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
@@ -256,6 +258,50 @@ def test_a_run_without_a_model_is_a_clear_error(store):
         pass
     with pytest.raises(ValueError, match=r"run 'no-model' \(\w+\) in sqlite:.* logged no model \(status FINISHED"):
         tracking.load_model(client.tracking_uri, run_id)
+
+
+def test_cells_racing_to_create_the_same_dataset_all_log_it(store):
+    """Cells started together insert the same dataset row at once; the loser of the race logs again."""
+    client, experiment_id, tmp_path = store
+    directory = raw_dir(data_config("mnist", tmp_path))
+    run_ids = [client.create_run(experiment_id, run_name=f"cell{i}").info.run_id for i in range(6)]
+    start = threading.Barrier(len(run_ids))
+
+    def log(run_id):
+        start.wait()
+        tracking.log_data_inputs(client, run_id, "mnist", directory, MD5, 0, 60_000, 10_000)
+
+    threads = [threading.Thread(target=log, args=(r,)) for r in run_ids]
+    errors = []
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        threading.excepthook = threading.__excepthook__
+    assert errors == []
+    assert all(sorted(d.dataset.name for d in client.get_run(r).inputs.dataset_inputs) == ["mnist-test", "mnist-train"]
+               for r in run_ids)
+
+    class Racing:  # the store's answer to the loser, as a server sends it, then success
+        def __init__(self, message):
+            self.message, self.calls = message, 0
+
+        def log_inputs(self, run_id, datasets):
+            self.calls += 1
+            if self.calls == 1:
+                raise MlflowException(self.message)
+
+    lost = Racing("BAD_REQUEST: (sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, "
+                  "datasets.name, datasets.digest")
+    tracking.log_data_inputs(lost, "r", "mnist", directory, MD5, 0, 60_000, 10_000)
+    assert lost.calls == 2
+    other = Racing("RESOURCE_DOES_NOT_EXIST: run r not found")  # any other error is not retried
+    with pytest.raises(MlflowException, match="not found"):
+        tracking.log_data_inputs(other, "r", "mnist", directory, MD5, 0, 60_000, 10_000)
+    assert other.calls == 1
 
 
 @pytest.mark.slow
