@@ -53,7 +53,8 @@ def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[
     `root` and `sources` replace the file's."""
     if dataset not in datasets():
         raise DataError(f"dataset {dataset!r}; valid: {', '.join(datasets())}")
-    node = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{dataset}.yaml"),
+    group_file = OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{dataset}.yaml")
+    node = OmegaConf.merge(OmegaConf.structured(DataConfig), group_file,
                            {"root": str(root if root is not None else "outputs/data")})
     if sources is not None:
         node.sources = list(sources)

@@ -199,8 +199,8 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
     """A run that always ends: FINISHED, KILLED on Ctrl-C or when stopped on purpose (hooks.Stopped, with
     the step as a tag), FAILED with the error as tags."""
     tags = {**tags, HOST: f"{socket.gethostname()}:{os.getpid()}", HEARTBEAT: f"{time.time():.0f}"}
-    if slurm_job():
-        tags[SLURM_JOB] = slurm_job()
+    if job := slurm_job():
+        tags[SLURM_JOB] = job
     run_id = client.create_run(experiment_id, run_name=run_name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id
     try:
