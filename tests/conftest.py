@@ -4,6 +4,7 @@ compose the real config, one tiny budget, and one way to run the real command.""
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -20,13 +21,17 @@ from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis
+from gaexp import analysis, config
 from gaexp.config import CONFIG_DIR
 from gaexp.data import DataError, Split, data_config, ensure_data, load_split
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
+FAKE_MACHINE = Path(__file__).resolve().parent / "fake_machine"  # GAEXP_TEST_CPUS, GAEXP_TEST_CPU_QUOTA: see there
+if os.environ.get("GAEXP_TEST_CPUS") or os.environ.get("GAEXP_TEST_CPU_QUOTA"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_MACHINE), os.environ.get("PYTHONPATH")]))
+    runpy.run_path(str(FAKE_MACHINE / "sitecustomize.py"))  # this process too
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
 # The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report.
 TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off", "analysis.window_start=0"]
@@ -69,6 +74,24 @@ def slurm(tmp_path_factory) -> Iterator[SlurmCluster]:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = before
+
+
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """machine(cpus, quota=None, slurm_cpus=None): this process sees `cpus` CPUs in its affinity mask, a
+    cgroup v2 quota of `quota` CPUs (None: `max`, no quota) and SLURM_CPUS_PER_TASK=`slurm_cpus` (None: unset),
+    whatever the real machine has."""
+    def make(cpus: int, quota: float | None = None, slurm_cpus: int | None = None) -> None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        cgroup = tmp_path / "cgroup"
+        cgroup.mkdir(exist_ok=True)
+        (cgroup / "cpu.max").write_text("max 100000\n" if quota is None else f"{int(quota * 100000)} 100000\n")
+        monkeypatch.setattr(config, "CGROUP", cgroup)
+        if slurm_cpus is None:
+            monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(slurm_cpus))
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from gaexp import tracking
-from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, markdown_table, protocol_part,
-                          regime_name, runtime_keys, typed)
+from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, cgroup_cpus, markdown_table,
+                          protocol_part, regime_name, runtime_keys, typed, usable_cores)
 from gaexp.model import SimpleModel
-from gaexp.norms import NORMS
+from gaexp.norms import NORMS, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 from gaexp.train import train
 
 NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
@@ -42,15 +43,47 @@ def test_config_groups_match_the_registry():
     assert sorted(NORM_CHOICES) == sorted(NORMS) == sorted(p.stem for p in (REPO / "conf" / "norm").glob("*.yaml"))
 
 
+# What each norm's four layers must be, with the options that tell them apart (regime bs4a4 where one matters).
+NORM_LAYERS = {
+    "bn": (nn.BatchNorm2d, dict(momentum=0.1, affine=True, track_running_stats=True)),
+    "in": (nn.InstanceNorm2d, dict(affine=False, track_running_stats=False)),
+    "gn4": (nn.GroupNorm, dict(num_groups=4, affine=True)),
+    "gn16": (nn.GroupNorm, dict(num_groups=16, affine=True)),
+    "gn": (nn.GroupNorm, dict(num_groups=8)),
+    "none": (None, {}),
+    "ln": (nn.GroupNorm, dict(num_groups=1)),
+    "in_affine": (nn.InstanceNorm2d, dict(affine=True, track_running_stats=False)),
+    "bn_precise": (PreciseBatchNorm2d, dict(stats_batch_size=16, stats_samples=4096)),
+    "bn_microeval": (MicroBatchEvalBatchNorm2d, dict(micro_batch=4)),
+    "brn": (BatchRenorm2d, dict(num_accum=4, r_max=3.0, d_max=5.0)),
+    "bn_kmom": (nn.BatchNorm2d, dict(momentum=1 - 0.9 ** (1 / 4))),
+}
+NORM_TYPES = tuple({t for t, _ in NORM_LAYERS.values() if t is not None})
+
+
 @pytest.mark.parametrize("norm,regime", list(itertools.product(NORM_CHOICES, REGIMES)))
 def test_every_cell_composes_and_trains(norm, regime, compose, train_split, small_valid):
     c = typed(compose(f"norm={norm}", f"regime={regime}", "seed=2", "train.num_iterations=2", "train.eval_period=1"))
     assert (c.regime.batch_size, c.regime.num_accum) == REGIMES[regime] and c.regime.name == regime
     torch.manual_seed(c.seed)
     model = SimpleModel(c.norm.name, **c.norm.options()).to(memory_format=torch.channels_last)
+    layers = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
+    kind, options = NORM_LAYERS[norm]
+    if kind is None:
+        assert layers == [] and sum(isinstance(m, nn.Identity) for m in model.modules()) == 4
+    else:
+        assert [type(m) for m in layers] == [kind] * 4 and [m.num_features if hasattr(m, "num_features") else
+                                                            m.num_channels for m in layers] == [32, 64, 128, 256]
+        if norm not in ("bn_precise", "bn_microeval", "brn", "bn_kmom") or regime == "bs4a4":
+            assert all(getattr(m, k) == pytest.approx(v) for m in layers for k, v in options.items()), norm
+    before = [p.detach().clone() for p in model.parameters()]
     history = train(model, train_split, small_valid, c.train, c.regime, c.seed)
     assert [p.step for p in history] == [1, 2]
     assert all(0.0 <= p.valid_acc <= 1.0 and p.train_loss > 0 for p in history)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # every tensor trained
+    tracked = [int(m.num_batches_tracked) for m in layers if getattr(m, "track_running_stats", False)]
+    assert tracked == ([2 * c.regime.num_accum] * 4 if kind in (nn.BatchNorm2d, PreciseBatchNorm2d,
+                                                               MicroBatchEvalBatchNorm2d, BatchRenorm2d) else [])
 
 
 def test_norm_options_follow_the_regime(compose):
@@ -118,7 +151,7 @@ RANGE_ERRORS = {
     "stats samples": (["norm=bn_precise", "norm.stats_samples=0"], r"norm.stats_samples=0; valid: an integer >= 1"),
     "reference": (["analysis.reference=bs1a1"], r"analysis.reference='bs1a1'; valid: one of analysis.table_columns"),
     "key forced in": (["norm=bn", "+norm.groups=4"], r"norm.groups is not a key of norm=bn; valid: name$"),
-    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: norm, regime, seed, device, train, "),
+    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: norm, regime, seed, device, device_type, deterministic, train, "),
     "nested key forced in": (["+train.learning_rate=0.1"], r"train.learning_rate is not a key of train; valid: "
                                                             r"num_iterations, eval_period, lr, loss_window, eval_batch_size"),
 }
@@ -143,18 +176,22 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert {"threads", "compile", "rerun", "progress", "cells_at_once", "paths.outputs", "data.root", "data.sources",
             "mlflow.tracking_uri", "mlflow.experiment_name", "analysis.window_start", "optuna.trial"} <= set(runtime)
     assert {"data.torchvision", "data.files", "data.num_train", "data.pypi", "data.debian"} <= set(runtime)
-    assert not {"seed", "device", "train.lr", "regime.batch_size", "data.dataset", "data.holdout"} & set(runtime)
-    assert PROTOCOL_COLUMNS == ["device", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
+    assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
+                "data.holdout"} & set(runtime)
+    assert "deterministic" in runtime
+    assert PROTOCOL_COLUMNS == ["device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "data.dataset", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     assert list(excluded) == ["launch", "experiment", *runtime]
-    resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4"), resolve=True)
-    assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}  # data.holdout=0: left out
+    resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu"), resolve=True)
+    assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}  # data.holdout=0, cpu: out
     assert protocol_part(resolved)["norm"] == {"name": "gn", "groups": 8}
-    held_out = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "data.holdout=10000"), resolve=True)
+    held_out = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "data.holdout=10000"),
+                                      resolve=True)
     assert protocol_part(held_out)["data"] == {"holdout": 10000}
     assert tracking.protocol_key(held_out) != tracking.protocol_key(resolved)
-    fashion = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "data=fashion_mnist"), resolve=True)
+    fashion = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "data=fashion_mnist"),
+                                     resolve=True)
     assert protocol_part(fashion)["data"] == {"dataset": "fashion_mnist"}  # mnist, the first dataset: left out
     assert tracking.protocol_key(fashion) != tracking.protocol_key(resolved)
 
@@ -162,7 +199,7 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
 PROTOCOL_KEY_GN4_BS4A4 = "0a648bac67732a7c"  # tag protocol_key of gn4-bs4a4-s1, 40 steps, recorded by d106f35
 
 
-def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema(compose):
+def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema(compose, monkeypatch):
     """A config as the untyped conf/ composed it (before the schema, with no cells_at_once or analysis)
     keeps its key, so existing stores still resume. Digest taken from a run recorded by that version."""
     before = {"norm": {"name": "gn4"}, "regime": {"batch_size": 4, "num_accum": 4}, "seed": 1, "device": "auto",
@@ -174,7 +211,20 @@ def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema(compose):
     now = {**before, "cells_at_once": 2, "analysis": {"window_start": 0}}
     assert tracking.protocol_key(before) == tracking.protocol_key(now) == PROTOCOL_KEY_GN4_BS4A4
     today = compose("norm=gn4", "regime=bs4a4", "train.num_iterations=40", "train.eval_period=20")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # device=auto on a CPU, as those runs were
     assert tracking.protocol_key(OmegaConf.to_container(today, resolve=True)) == PROTOCOL_KEY_GN4_BS4A4  # data=mnist
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the same command where a GPU is seen
+    on_gpu = OmegaConf.to_container(today, resolve=True)
+    assert on_gpu["device_type"] == "cuda" and protocol_part(on_gpu)["device_type"] == "cuda"
+    assert tracking.protocol_key(on_gpu) != PROTOCOL_KEY_GN4_BS4A4  # never resumes from, or pools with, CPU runs
+
+
+@pytest.mark.parametrize("device, gpu_seen, expected", [
+    ("auto", False, "cpu"), ("auto", True, "cuda"), ("cpu", True, "cpu"), ("cuda", False, "cuda")])
+def test_device_type_is_the_device_resolved_where_the_run_runs(device, gpu_seen, expected, compose, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_seen)
+    c = typed(compose(f"device={device}"))
+    assert (c.device, c.device_type) == (device, expected)
 
 
 
@@ -205,3 +255,33 @@ def test_imports_point_down():
                      for alias in n.names}
         above = [m for m in imported if LAYERS.index(m) >= LAYERS.index(module)]
         assert not above, f"gaexp/{module}.py imports {above}, which sit above it"
+
+
+@pytest.mark.parametrize("files, cpus", [
+    ({"cpu.max": "max 100000\n"}, None),                     # cgroup v2, no quota
+    ({"cpu.max": "200000 100000\n"}, 2),                     # docker --cpus=2
+    ({"cpu.max": "150000 100000\n"}, 2),                     # 1.5 CPUs: rounded up, never 0
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),   # cgroup v1, no quota
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),
+    ({}, None),                                               # no cgroup file system (macOS, old kernels)
+    ({"cpu.max": "garbage\n"}, None),
+])
+def test_cgroup_quota_is_read_from_v2_or_v1_files(files, cpus, tmp_path):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpus(tmp_path) == cpus
+
+
+@pytest.mark.parametrize("cpus, quota, slurm_cpus, usable", [
+    (1, None, None, 1), (2, None, None, 2), (8, None, None, 8), (16, None, None, 16), (64, None, None, 64),
+    (64, 2, None, 2),        # a container limited to 2 CPUs on a 64-core host
+    (64, 0.5, None, 1),      # half a CPU still runs one thread
+    (2, 8, None, 2),         # a quota above the mask does not add CPUs
+    (64, None, 4, 4),        # a SLURM task on a node that does not bind CPUs
+    (64, 2, 8, 2), (16, 8, 4, 4),
+])
+def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm_cpus, usable, machine):
+    machine(cpus, quota, slurm_cpus)
+    assert usable_cores() == usable

@@ -154,24 +154,49 @@ def cells_and_threads(compose, *overrides: str) -> tuple:
     cfg = compose(*overrides, hydra=True)
     c = typed(compose(*overrides))  # the job's config (no hydra node); ${hydra:...} resolves as in a job
     cells = c.cells_at_once if c.cells_at_once is not None else guess_cells_at_once(cfg.hydra.launcher, cfg.hydra.sweeper)
-    return c.cells_at_once, cells, threads_for("auto", cells, cores=8)
+    return c.cells_at_once, cells, threads_for("auto", cells)
 
 
-@pytest.mark.parametrize("overrides, preset, cells, threads", [
-    ([], None, None, 0),                                             # basic launcher: one cell at a time, all cores
-    (["launch=joblib", "hydra.launcher.n_jobs=3"], 3, 3, 2),          # the presets say it themselves
-    (["launch=local"], usable_cores(), usable_cores(), 8 // usable_cores()),
-    (["launch=local", "hydra.sweeper.max_batch_size=2"], 2, 2, 4),
-    (["launch=slurm"], 1, 1, 8),                                      # each task has its own CPUs
-    (["launch=ray", "hydra.launcher.ray.remote.num_cpus=2"], max(1, usable_cores() // 2), max(1, usable_cores() // 2),
-     8 // max(1, usable_cores() // 2)),
-    (["hydra/launcher=joblib", "hydra.launcher.n_jobs=4"], None, 4, 2),  # the plugins' own configs: guessed
-    (["hydra/launcher=submitit_local"], None, -1, 1),                 # unbounded: one thread per cell
-])
-def test_cells_at_once_per_launcher(compose, overrides, preset, cells, threads):
-    if any("ray" in o for o in overrides) and importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None:
+CORES = (1, 2, 8, 16, 64)
+# (preset's cells_at_once, cells at once, torch threads per cell) on machines of 1, 2, 8, 16 and 64 usable cores:
+# written out, not computed, so that a change of the rule shows here. threads x cells never exceeds the cores
+# (but for a cell's minimum of one thread), and no cell gets 0 threads (torch's default: every core).
+PER_LAUNCHER = {
+    "one cell at a time": ([], [(None, None, 0)] * 5),
+    "joblib preset, 3 jobs": (["launch=joblib", "hydra.launcher.n_jobs=3"],
+                              [(3, 3, 1), (3, 3, 1), (3, 3, 2), (3, 3, 5), (3, 3, 21)]),
+    "joblib preset, one job per core": (["launch=joblib"],
+                                        [(1, 1, 1), (2, 2, 1), (8, 8, 1), (16, 16, 1), (64, 64, 1)]),
+    "local preset": (["launch=local"], [(1, 1, 1), (2, 2, 1), (8, 8, 1), (16, 16, 1), (64, 64, 1)]),
+    "local preset, 2 at once": (["launch=local", "hydra.sweeper.max_batch_size=2"],
+                                [(2, 2, 1), (2, 2, 1), (2, 2, 4), (2, 2, 8), (2, 2, 32)]),
+    "slurm preset": (["launch=slurm"], [(1, 1, 1), (1, 1, 2), (1, 1, 8), (1, 1, 16), (1, 1, 64)]),
+    "ray preset, 2 CPUs a cell": (["launch=ray", "hydra.launcher.ray.remote.num_cpus=2"],
+                                  [(1, 1, 1), (1, 1, 2), (4, 4, 2), (8, 8, 2), (32, 32, 2)]),
+    "joblib plugin, 4 jobs (guessed)": (["hydra/launcher=joblib", "hydra.launcher.n_jobs=4"],
+                                        [(None, 4, 1), (None, 4, 1), (None, 4, 2), (None, 4, 4), (None, 4, 16)]),
+    "submitit_local plugin (unbounded)": (["hydra/launcher=submitit_local"], [(None, -1, 1)] * 5),
+}
+
+
+@pytest.mark.parametrize("cores", CORES)
+@pytest.mark.parametrize("launcher", list(PER_LAUNCHER))
+def test_cells_at_once_per_launcher(compose, machine, launcher, cores):
+    overrides, expected = PER_LAUNCHER[launcher]
+    if "ray" in launcher and importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None:
         pytest.skip("hydra-ray-launcher not installed")
-    assert cells_and_threads(compose, *overrides) == (preset, cells, threads)
+    machine(cores)
+    assert cells_and_threads(compose, *overrides) == expected[CORES.index(cores)]
+
+
+@pytest.mark.parametrize("launcher", ["joblib preset, one job per core", "local preset", "ray preset, 2 CPUs a cell"])
+def test_a_container_quota_bounds_the_presets(compose, machine, launcher):
+    """A container limited to 2 CPUs on a 64-core host: the presets plan for 2, not 64."""
+    overrides, expected = PER_LAUNCHER[launcher]
+    if "ray" in launcher and importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None:
+        pytest.skip("hydra-ray-launcher not installed")
+    machine(64, quota=2)
+    assert cells_and_threads(compose, *overrides) == expected[CORES.index(2)]
 
 
 def test_launcher_warnings_name_the_fix(compose):
@@ -193,13 +218,11 @@ def test_unknown_launch_preset_lists_the_choices(tmp_path, gaexp_command):
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_a_slurm_task_uses_at_most_the_cpus_it_was_given(monkeypatch):
+def test_a_slurm_task_uses_at_most_the_cpus_it_was_given(machine):
     """Clusters that do not bind CPUs (task/none) still say how many a task has: SLURM_CPUS_PER_TASK."""
-    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    everything = usable_cores()
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    machine(16, slurm_cpus=1)
     assert usable_cores() == 1 and threads_for("auto", 1) == 1
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", str(everything + 8))  # never more than the CPU mask
-    assert usable_cores() == everything
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "")
-    assert usable_cores() == everything
+    machine(16, slurm_cpus=24)  # never more than the CPU mask
+    assert usable_cores() == 16 and threads_for("auto", 1) == 16
+    machine(16, slurm_cpus=None)
+    assert usable_cores() == 16

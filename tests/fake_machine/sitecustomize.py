@@ -1,0 +1,25 @@
+"""A machine of another size, for the whole suite: `GAEXP_TEST_CPUS=64 make test` (and/or
+`GAEXP_TEST_CPU_QUOTA=2`, a container's cgroup quota). tests/conftest.py applies it to the test process
+and puts this folder first on PYTHONPATH, so every Python process the tests start (gaexp commands, their
+jobs) imports it as `sitecustomize` and sees the same machine through `gaexp.config.usable_cores`."""
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def apply() -> None:
+    cpus, quota = os.environ.get("GAEXP_TEST_CPUS"), os.environ.get("GAEXP_TEST_CPU_QUOTA")
+    if cpus:
+        os.sched_getaffinity = lambda pid: set(range(int(cpus)))
+        os.cpu_count = lambda: int(cpus)
+    if quota:
+        folder = Path(os.environ.get("GAEXP_TEST_CGROUP") or tempfile.mkdtemp(prefix="gaexp-test-cgroup-"))
+        (folder / "cpu.max").write_text(f"{int(quota) * 100000} 100000\n")  # cgroup v2: quota, period (us)
+        os.environ["GAEXP_TEST_CGROUP"] = str(folder)
+        import gaexp.config  # light: hydra and omegaconf only
+
+        gaexp.config.CGROUP = folder
+
+
+apply()
