@@ -1,4 +1,5 @@
-"""The gaexp grid sweeper (hydra_plugins/gaexp_grid_sweeper): the order of cells and bad settings.
+"""The gaexp grid sweeper (hydra_plugins/gaexp_grid_sweeper): the order of cells and bad settings; and its SLURM
+launcher, which waits for every task, with submitit's jobs stood in for.
 
 Its sweeps through the public command (progress lines, the plan run, the order the runs started in) are
 in tests/test_app.py, on the shared tiny sweep.
@@ -6,16 +7,26 @@ in tests/test_app.py, on the shared tiny sweep.
 
 from __future__ import annotations
 
+import math
 from itertools import product
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_config_search_path
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import HydraException
-from hydra.types import HydraContext
+from hydra.types import HydraContext, RunMode
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+from submitit.core.utils import UncompletedJobError
 
+from gaexp import tracking
+from gaexp.app import FAILED_MARKER
 from gaexp.config import CONFIG_DIR
+from hydra_plugins.gaexp_grid_sweeper.submitit_launcher import SlurmLauncher, wait_for_every
 from hydra_plugins.gaexp_grid_sweeper.sweeper import GridSweeper, longest_first
 
 
@@ -73,3 +84,86 @@ def test_bad_settings_are_one_line_naming_the_value_and_the_valid_ones(settings,
     with pytest.raises(HydraException) as e:
         GridSweeper(**{"max_batch_size": None, **settings})
     assert str(e.value) == message
+
+
+# --- the SLURM launcher that waits for every task (submitit_launcher.py); on a real cluster: tests/test_slurm.py ---
+
+class FakeJob:
+    """A submitted task as the launcher sees it: submitit calls it done after `polls` checks, with its state;
+    it leaves a result (and its file), or raises as submitit does for a task without one."""
+
+    def __init__(self, folder: Path, job_id: str, outcome, polls: int = 0, state: str = "COMPLETED"):
+        self.job_id, self.outcome, self.polls, self.state = job_id, outcome, polls, state
+        self.paths = SimpleNamespace(result_pickle=folder / f"{job_id}_result.pkl")
+        self.waited = False
+
+    def done(self) -> bool:
+        self.polls -= 1
+        if self.polls < 0 and not isinstance(self.outcome, Exception):
+            self.paths.result_pickle.touch()
+        return self.polls < 0
+
+    def results(self) -> list:
+        self.waited = True
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return [self.outcome]
+
+
+@pytest.fixture
+def sacct(monkeypatch):
+    """The cluster's accounting as the launcher reads it (gaexp.tracking.slurm_job_end): {job: how it ended};
+    a job not in it has not ended, or the accounting does not say yet."""
+    ended: dict = {}
+    monkeypatch.setattr(tracking, "slurm_job_end", lambda job: ended.get(job))
+    return ended
+
+
+def test_tasks_are_collected_as_they_end_and_a_suspended_one_is_waited_for(tmp_path, sacct):
+    jobs = [FakeJob(tmp_path, "7_0", "a", polls=3), FakeJob(tmp_path, "7_1", UncompletedJobError("cancelled"),
+                                                            state="CANCELLED by 0"),
+            FakeJob(tmp_path, "7_2", "c", polls=1), FakeJob(tmp_path, "7_3", UncompletedJobError("z"), state="SUSPENDED")]
+    ended = []
+
+    def on_end(i):
+        ended.append(i)
+        if i == 0:
+            sacct["7_3"] = "CANCELLED"  # cancelled while suspended: only sacct says so, submitit stopped asking
+
+    wait_for_every(jobs, on_end, poll_s=0)
+    assert ended == [1, 2, 0, 3]
+
+
+def test_a_task_without_a_result_is_a_failed_cell_with_its_run_killed_and_the_others_are_collected(
+        tmp_path, sacct, data_root):
+    """Task 0 cancelled (sacct says so), task 1 out of time (only submitit says so yet), task 2 finishing last."""
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONFIG_DIR))
+    config = loader.load_configuration("config", [
+        "launch=slurm", f"paths.outputs={tmp_path}", f"data.root={data_root}", "data.sources=[local]",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.sweep.dir={tmp_path}/multirun/s"],
+        run_mode=RunMode.MULTIRUN)
+    assert config.hydra.launcher._target_ == "hydra_plugins.gaexp_grid_sweeper.submitit_launcher.SlurmLauncher"
+    experiment_id = tracking.prepare_store(config.mlflow.tracking_uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(config.mlflow.tracking_uri)
+    runs = {job: client.create_run(experiment_id, run_name=job, tags={tracking.SLURM_JOB: job}).info.run_id
+            for job in ("7_0", "7_1", "7_2")}  # as the tasks left them: RUNNING
+    cells = [["norm=gn4", "regime=bs4a4"], ["norm=gn4", "regime=bs1a16"], ["norm=none", "regime=bs16a1"]]
+    finished = JobReturn(overrides=cells[2], status=JobStatus.COMPLETED, _return_value=0.97)
+    jobs = [FakeJob(tmp_path, "7_0", UncompletedJobError("x"), state="CANCELLED by 0"),
+            FakeJob(tmp_path, "7_1", UncompletedJobError("y"), polls=1, state="TIMEOUT"),
+            FakeJob(tmp_path, "7_2", finished, polls=2)]
+    sacct["7_0"] = "CANCELLED"
+    launcher = SlurmLauncher(**OmegaConf.to_container(config.hydra.launcher))
+    launcher.setup(hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks()), task_function=None, config=config)
+    launcher.submit = lambda job_overrides, initial_job_idx: jobs  # instead of sbatch
+
+    returns = launcher.launch(cells, initial_job_idx=0)
+    assert all(job.waited for job in jobs) and returns[2] is finished
+    assert all(r.status == JobStatus.COMPLETED and math.isnan(r.return_value) for r in returns[:2])  # as app.main's
+    failed = {p.parent.name: p.read_text() for p in (tmp_path / "multirun" / "s").glob(f"*/{FAILED_MARKER}")}
+    assert failed == {"norm=gn4,regime=bs4a4": "SLURM job 7_0 ended CANCELLED",
+                      "norm=gn4,regime=bs1a16": "SLURM job 7_1 ended TIMEOUT"}
+    after = {job: client.get_run(run_id) for job, run_id in runs.items()}
+    assert {job: (r.info.status, r.data.tags.get("gaexp.killed_reason")) for job, r in after.items()} == {
+        "7_0": ("KILLED", "SLURM job 7_0 ended CANCELLED"), "7_1": ("KILLED", "SLURM job 7_1 ended TIMEOUT"),
+        "7_2": ("RUNNING", None)}

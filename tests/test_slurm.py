@@ -4,7 +4,6 @@ and Hydra's callbacks (store preparation, progress, report) run in the submittin
 
 from __future__ import annotations
 
-import re
 import subprocess
 import time
 from datetime import datetime
@@ -92,47 +91,57 @@ def test_a_failing_cell_fails_alone(slurm, server, tmp_path, gaexp_command, trai
     assert {t["State"] for job in jobs for t in sacct(slurm, job)} == {"COMPLETED"}  # the task caught it
 
 
-def test_a_cancelled_task_is_killed_by_the_next_command_which_redoes_only_it(slurm, server, tmp_path, gaexp_argv,
-                                                                             training_runs):
+def test_a_cancelled_task_fails_its_cell_alone_and_the_same_command_redoes_only_it(slurm, server, tmp_path, gaexp_argv,
+                                                                                  training_runs):
+    """The command waits for the array's other task, writes the report, exits 1 naming the cancelled cell, and
+    has marked its run KILLED; run again, it trains that cell only."""
     uri, _ = server
     overrides = [*SLURM, f"mlflow.tracking_uri={uri}", "mlflow.experiment_name=slurm-cancel", "norm=gn4",
                  "regime=bs16a1,bs4a4", "train.num_iterations=300", "train.eval_period=150"]
     first = subprocess.Popen(gaexp_argv(tmp_path, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while True:  # the longer cell (bs4a4, started first) is training: cancel its task
+    while True:  # the shorter cell (bs16a1, task 1 of 2: the longer starts first) is training: cancel its task
         _, runs = training_runs(uri, "slurm-cancel")
-        victim = runs.get("gn4-bs4a4-s1")
+        victim = runs.get("gn4-bs16a1-s1")
         if victim is not None and victim.info.status == "RUNNING":
             break
         assert time.monotonic() < deadline and first.poll() is None, "the cell never started"
         time.sleep(0.5)
     job = victim.data.tags["slurm_job_id"]
+    other = f"{job.split('_')[0]}_{1 - int(job.split('_')[1])}"
+    # The other task is held (SIGSTOP) until the command has dealt with the cancelled one, so that it surely
+    # ends after the command knew of the cancel: only a command that waits for every task sees it finish.
+    assert slurm.run("scontrol", "suspend", other).returncode == 0
     assert slurm.run("scancel", job).returncode == 0
-    stdout, stderr = first.communicate(timeout=300)
-    assert first.returncode == 1, stderr[-3000:]
-    assert re.search(rf"error: Job {job} \(task: \d+\) with path .* has not produced any output "
-                     r"\(state: CANCELLED by 0\)\nThe command stopped waiting; the other tasks it submitted go on",
-                     stderr), stderr[-3000:]
-    assert "Traceback" not in stderr
+    reason = f"SLURM job {job} ended CANCELLED"
     while training_runs(uri, "slurm-cancel")[1]["gn4-bs16a1-s1"].info.status == "RUNNING":
-        time.sleep(0.5)  # the array's other task goes on after the command stopped: let it end, as docs/cluster.md says
-        assert time.monotonic() < deadline + 300
-    _, runs = training_runs(uri, "slurm-cancel")
-    assert runs["gn4-bs4a4-s1"].info.status == "RUNNING"  # its process was killed: nothing could end the run
-    assert sacct(slurm, job)[0]["State"].startswith("CANCELLED")
-    other = runs["gn4-bs16a1-s1"]
-    assert other.info.status == "FINISHED"
+        assert time.monotonic() < deadline + 300 and first.poll() is None, "the cancelled run was never marked"
+        time.sleep(0.5)
+    killed = training_runs(uri, "slurm-cancel")[1]["gn4-bs16a1-s1"]
+    assert killed.info.status == "KILLED" and killed.data.tags["gaexp.killed_reason"] == reason  # at once
+    assert slurm.run("scontrol", "resume", other).returncode == 0
+    stdout, stderr = first.communicate(timeout=600)
+    _, runs = training_runs(uri, "slurm-cancel")  # as the command left them
+    assert runs["gn4-bs4a4-s1"].info.status == "FINISHED", stderr[-3000:]  # the command waited for the other task
+    assert runs["gn4-bs16a1-s1"].info.status == "KILLED"
+    markers = list(tmp_path.glob("multirun/*/*/FAILED.txt"))
+    assert [("regime=bs16a1" in m.parent.name, m.read_text()) for m in markers] == [(True, reason)], markers
+    assert first.returncode == 1, stdout[-3000:] + stderr[-3000:]
+    assert f"error: 1 cell(s) failed, the others ran:\n  {markers[0].parent.name}: {reason}\n" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
+    tasks = {t["JobID"]: t["State"] for t in sacct(slurm, job.split("_")[0])}
+    assert tasks[job].startswith("CANCELLED") and tasks[other] == "COMPLETED"
+    sweep = markers[0].parent.parent.name
+    client, _ = training_runs(uri, "slurm-cancel")
+    experiment_id = client.get_experiment_by_name("slurm-cancel").experiment_id
+    (report,) = client.search_runs([experiment_id], f"tags.`gaexp.role` = 'report' and tags.sweep_id = '{sweep}'")
+    assert report.info.status == "FINISHED" and (tmp_path / "reports" / sweep / "table.md").is_file()
+    assert "| gn4 |" in stdout + stderr  # the report's table, printed before the summary
 
     again = subprocess.run(gaexp_argv(tmp_path, *overrides), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    client, _ = training_runs(uri, "slurm-cancel")
-    killed = client.get_run(victim.info.run_id)
-    assert killed.info.status == "KILLED"
-    assert killed.data.tags["gaexp.killed_reason"] == f"SLURM job {job} ended CANCELLED"
-    experiment_id = client.get_experiment_by_name("slurm-cancel").experiment_id
     cells = client.search_runs([experiment_id], "tags.norm = 'gn4'")
     assert sorted((r.info.run_name, r.info.status) for r in cells) == [
-        ("gn4-bs16a1-s1", "FINISHED"), ("gn4-bs4a4-s1", "FINISHED"), ("gn4-bs4a4-s1", "KILLED")]
-    assert client.get_run(other.info.run_id).info.status == "FINISHED"  # skipped, not redone
-    assert "1 skipped" in again.stdout + again.stderr
+        ("gn4-bs16a1-s1", "FINISHED"), ("gn4-bs16a1-s1", "KILLED"), ("gn4-bs4a4-s1", "FINISHED")]
+    assert "1 skipped" in again.stdout + again.stderr  # the other cell, not trained again

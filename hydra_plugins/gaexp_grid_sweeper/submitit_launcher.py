@@ -1,0 +1,163 @@
+"""Hydra's submitit SLURM launcher, waiting for every task of the array (`launch=slurm`, conf/launch/slurm.yaml).
+
+hydra-submitit-launcher collects the tasks' results in order and raises on the first task that ended without
+one (submitit's UncompletedJobError: cancelled, out of time, node lost), so the command stopped there while the
+array's other tasks ran on, unreported. This launcher waits for every task, in the order they end, and turns
+each task that ends without a result into a failed cell as soon as it has ended, as a cell that raises is one
+(gaexp.app.main):
+
+- a FAILED.txt in its job folder with the reason, `SLURM job 1234_5 ended CANCELLED`, which the failure summary
+  lists (gaexp.app.FailuresCallback);
+- its MLflow run, left RUNNING by the killed task, marked KILLED with the reason as `gaexp.killed_reason`, at once,
+  by gaexp.tracking.mark_stale_runs (the cluster's accounting), or by the state submitit saw where the
+  accounting does not say yet;
+- nan as its return value, status COMPLETED, as gaexp.app.main returns for a failed cell.
+
+The sweep then ends as any sweep with failed cells: the report, then the summary and exit code 1; the same
+command run again redoes only the cells without a FINISHED run. The module is imported by Hydra's plugin scan at
+every start: submitit, MLflow and gaexp are imported only when a launch runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def ended_reason(job_id: str, state: str | None) -> str:
+    """Why a task has no result, as gaexp.tracking.mark_stale_runs words it: `SLURM job 1234_5 ended CANCELLED`
+    (submitit's state reads `CANCELLED by 0`: its first word, as sacct's)."""
+    words = (state or "").split()
+    return f"SLURM job {job_id} ended {words[0] if words else 'UNKNOWN'}"
+
+
+def has_ended(job: Any) -> bool:
+    """Whether a submitted task is over: it left a result, or submitit saw it end (CANCELLED, TIMEOUT, ...).
+    submitit also counts a SUSPENDED (RESIZING, CONFIGURING) task as ended and stops asking about it: for those,
+    the cluster's accounting (gaexp.tracking.slurm_job_end) says whether it goes on or has ended since."""
+    from gaexp.tracking import SLURM_LIVE, slurm_job_end
+
+    if job.paths.result_pickle.exists():
+        return True
+    if not job.done():
+        return False
+    state = job.state.split()
+    return (bool(state) and state[0] not in SLURM_LIVE) or slurm_job_end(job.job_id) is not None
+
+
+def wait_for_every(jobs: Sequence[Any], on_end: Callable[[int], None], poll_s: float = 1.0) -> None:
+    """on_end(i) for each job as it ends, in the order they end, until every job has: one that ends without a
+    result stops nothing, and is known at once, not after the jobs before it in the array."""
+    pending = list(range(len(jobs)))
+    while pending:
+        for i in [i for i in pending if has_ended(jobs[i])]:
+            pending.remove(i)
+            on_end(i)
+        if pending:
+            time.sleep(poll_s)  # as submitit's own Job.wait; its sacct calls are spaced out by its watcher
+
+
+def mark_killed(config: DictConfig, job_id: str, reason: str) -> List[str]:
+    """The run a task that ended without a result left RUNNING, marked KILLED now: by the tracking store's rule
+    for stale runs (gaexp.tracking.mark_stale_runs, which every command applies: sacct says how each job ended),
+    else, where sacct does not report the job ended yet, with `reason`. Returns `run name (reason)` per run
+    marked (mark_stale_runs may mark others, as it would at the next command's start)."""
+    from mlflow.entities import RunStatus
+    from mlflow.tracking import MlflowClient
+
+    from gaexp import tracking
+
+    client = MlflowClient(config.mlflow.tracking_uri)
+    experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
+    marked = tracking.mark_stale_runs(client, experiment_id, config.mlflow.stale_after_s)
+    for run in client.search_runs([experiment_id],
+                                  f"attributes.status = 'RUNNING' and tags.`{tracking.SLURM_JOB}` = '{job_id}'"):
+        client.set_tag(run.info.run_id, "gaexp.killed_reason", reason)
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        marked.append(f"{run.info.run_name} ({reason})")
+    return marked
+
+
+class SlurmLauncher(submitit_launcher.SlurmLauncher):
+    """hydra-submitit-launcher's SlurmLauncher (same settings, same sbatch script) that waits for every task."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from submitit.core.utils import UncompletedJobError
+
+        from gaexp.tracking import slurm_job_end
+
+        jobs = self.submit(job_overrides, initial_job_idx)
+        outcomes: List[Any] = [None] * len(jobs)
+
+        def collect(i: int) -> None:
+            job = jobs[i]
+            try:
+                outcomes[i] = job.results()[0]
+            except UncompletedJobError as e:
+                if type(e) is not UncompletedJobError:  # FailedJobError: the task raised outside its cell
+                    outcomes[i] = e
+                    return
+                reason = ended_reason(job.job_id, slurm_job_end(job.job_id) or job.state)
+                outcomes[i] = self.failed_cell(job_overrides[i], reason)
+                try:
+                    for run in mark_killed(self.config, job.job_id, reason):
+                        log.warning("marked KILLED: %s", run)
+                except Exception as err:  # noqa: BLE001 - the store unreachable now: the next command marks it
+                    log.warning("could not mark the run of SLURM job %s KILLED (%s); the next gaexp command will",
+                                job.job_id, err)
+
+        wait_for_every(jobs, collect)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome  # as hydra-submitit-launcher: a task that raised outside its cell stops the sweep
+        return outcomes
+
+    def failed_cell(self, overrides: Sequence[str], reason: str) -> JobReturn:
+        """What a cell that raised leaves (gaexp.app.main): FAILED.txt with the reason in its job folder (the
+        folder its task would have used, made if the task never started), and nan."""
+        assert self.config is not None and self.hydra_context is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        folder = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        folder.mkdir(parents=True, exist_ok=True)
+        from gaexp.app import FAILED_MARKER
+
+        (folder / FAILED_MARKER).write_text(reason)
+        log.error("%s: %s, without a result; counted as a failed cell", " ".join(filter_overrides(overrides)), reason)
+        return JobReturn(overrides=list(overrides), working_dir=str(folder), task_name=cfg.hydra.job.name,
+                         status=JobStatus.COMPLETED, _return_value=float("nan"))
+
+    def submit(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[Any]:
+        """hydra-submitit-launcher 1.2's `launch` up to the submission: the array's jobs, not yet waited for."""
+        import submitit
+
+        assert self.config is not None
+        assert len(job_overrides) > 0
+        init_params: Dict[str, Any] = {"folder": self.params["submitit_folder"]}
+        specific_init_keys = {"max_num_timeout"}
+        init_params.update(**{f"{self._EXECUTOR}_{x}": y for x, y in self.params.items() if x in specific_init_keys})
+        init_keys = specific_init_keys | {"submitit_folder"}
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, **init_params)
+        baseparams = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(**{x if x in baseparams else f"{self._EXECUTOR}_{x}": y
+                                      for x, y in self.params.items() if x not in init_keys})
+        log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {self.config.hydra.sweep.dir}")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
+        job_params: List[Tuple[Any, ...]] = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+        return executor.map_array(self, *zip(*job_params))
