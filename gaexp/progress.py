@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence, TextIO
+from typing import Callable, Mapping, Sequence, TextIO
 
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
@@ -190,11 +190,12 @@ class Live:
     (the store busy) is retried at the next poll."""
 
     def __init__(self, tracking_uri: str, experiment_id: str, sweep_id: str, plan: Plan, sweep_dir: Path,
-                 plan_run_id: str | None = None, every: float = 10.0, bar: bool | None = None, out: TextIO | None = None
-                 ) -> None:
+                 plan_run_id: str | None = None, every: float = 10.0, bar: bool | None = None, out: TextIO | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.uri, self.experiment_id, self.sweep_id = tracking_uri, experiment_id, sweep_id
         self.client: MlflowClient | None = None  # made at the first poll, where a store that fails is waited out
         self.plan, self.sweep_dir, self.plan_run_id, self.every = plan, sweep_dir, plan_run_id, every
+        self.clock = clock  # the time now, in seconds since the epoch (a test's own clock)
         self.out = out or sys.stdout  # printed, not logged: an in-process launcher's cells reconfigure logging
         self.bar = sys.stderr.isatty() if bar is None else bar
         self.seen: set[str] = set()
@@ -222,7 +223,7 @@ class Live:
             self.poll()
 
     def poll(self) -> Snapshot | None:
-        now = time.time()
+        now = self.clock()
         try:
             self.client = self.client or MlflowClient(self.uri)
             plan, cells = read(self.client, self.experiment_id, self.sweep_id, now)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logge
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
+PROCESS_START = "gaexp.process_start"  # with the pid in HOST: the one process that ran the run (tracking.process_start)
 SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK, what scancel and sacct take)
 SLURM_LIVE = ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING")
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
@@ -132,7 +133,22 @@ def add_to_sweep(client: MlflowClient, run: Run, sweep_id: str) -> None:
         client.set_tag(run.info.run_id, SWEEPS, ",".join([*sweeps, sweep_id]))
 
 
-def _pid_alive(pid: int) -> bool:
+def process_start(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat, field 22): with the pid, it names
+    one process for good, as a pid alone does not once the system reuses it. None without such a process, or
+    without /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # the fields after the command name start at field 3
+
+
+def process_alive(pid: int, started: str | None = None) -> bool:
+    """Whether process `pid` still runs; given when it `started` (`process_start`, recorded with the run),
+    whether it is still that process: a pid given to a new process since counts as gone."""
+    if started is not None and (now := process_start(pid)) is not None:
+        return now == started
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -181,7 +197,7 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
         ended = slurm_job_end(tags[SLURM_JOB]) if SLURM_JOB in tags else None
         if ended:
             reason = f"SLURM job {tags[SLURM_JOB]} ended {ended}"
-        elif host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+        elif host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid), tags.get(PROCESS_START)):
             reason = f"process {pid} on {host} is gone"
         elif now - beat > stale_after_s:
             reason = f"no heartbeat for {now - beat:.0f} s"
@@ -199,6 +215,8 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
     """A run that always ends: FINISHED, KILLED on Ctrl-C or when stopped on purpose (hooks.Stopped, with
     the step as a tag), FAILED with the error as tags."""
     tags = {**tags, HOST: f"{socket.gethostname()}:{os.getpid()}", HEARTBEAT: f"{time.time():.0f}"}
+    if started := process_start(os.getpid()):
+        tags[PROCESS_START] = started
     if job := slurm_job():
         tags[SLURM_JOB] = job
     run_id = client.create_run(experiment_id, run_name=run_name,

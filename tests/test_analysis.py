@@ -283,3 +283,18 @@ def test_memory_table_per_regime(tmp_path):
     assert "cuda_max_mem_mb" not in memory.columns  # never logged on the CPU
     analysis.export(collected, summarize(collected.data, STUDY), tmp_path / "r")
     assert "| bs1a16 | 1 | 16 | 2 | 0.062 | 0.50 | 450 | 15 | 1000 |" in (tmp_path / "r" / "table.md").read_text()
+
+
+def test_trial_runs_in_the_same_store_and_sweep_never_enter_the_grid_report(store):
+    """An Optuna search logs its trials as training runs (tags norm, regime, seed) into the same experiment,
+    here even under the grid's sweep id: the grid's table and runs stay the grid's."""
+    client, experiment_id, _ = store
+    before = summarize(collect(client, "gaexp").data, STUDY).table
+    trials = [add_run(client, experiment_id, "bn", "bs1a16", seed, (0.99, 0.99, 0.99)) for seed in (1, 2)]
+    for number, run_id in enumerate(trials):
+        client.set_tag(run_id, "optuna.study", "bn-bs1a16")
+        client.set_tag(run_id, "optuna.trial", str(number))
+    collected = collect(client, "gaexp")
+    assert not set(trials) & set(collected.data.run_id) and collected.excluded.empty
+    pd.testing.assert_frame_equal(summarize(collected.data, STUDY).table, before)
+    assert collected.data.run_id.nunique() == len(HISTORIES)

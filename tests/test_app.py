@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
-from gaexp import data, progress
+from gaexp import app, data, progress
 from gaexp.app import prepare, run_cell, threads_for
 from tests.conftest import TINY
 
@@ -38,16 +40,21 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, compose):
 
 
 def fake_dataset_overrides(root: Path, dataset: str, torchvision: str, num_train: int = 64,
-                           num_test: int = 32) -> list[str]:
+                           num_test: int = 32, numbered: bool = False) -> list[str]:
     """A made-up dataset of four IDX files in the real shapes under `root`, and the overrides that select it
-    with these files' MD5s patched in: offline, and fast."""
+    with these files' MD5s patched in: offline, and fast. `numbered`: training image i has every pixel i,
+    test image j every pixel 255 - j (so a tensor of images says which ones it holds)."""
     raw = root / torchvision / "raw"
     raw.mkdir(parents=True)
     rng = np.random.default_rng(0)
     shapes = [(num_train, 28, 28), (num_train,), (num_test, 28, 28), (num_test,)]
     overrides = [f"data={dataset}", f"data.root={root}", "data.sources=[local]", f"data.num_train={num_train}"]
     for name, shape in zip(data.IDX_NAMES, shapes):
-        content = data._idx_bytes(rng.integers(0, 10 if len(shape) == 1 else 256, shape).astype(np.uint8))
+        array = rng.integers(0, 10 if len(shape) == 1 else 256, shape)
+        if numbered and len(shape) == 3:
+            ids = np.arange(shape[0]) if name.startswith("train") else 255 - np.arange(shape[0])
+            array = np.broadcast_to(ids[:, None, None], shape)
+        content = data._idx_bytes(array.astype(np.uint8))
         (raw / name).write_bytes(content)
         overrides.append(f"data.files.{name}={hashlib.md5(content).hexdigest()}")
     return overrides
@@ -73,6 +80,32 @@ def test_a_fashion_mnist_cell_is_its_own_run_tagged_with_its_data(tmp_path, comp
     history = client.get_metric_history(run.info.run_id, "valid_acc")
     assert [m.step for m in history] == [2, 3] and history[-1].value == accuracy
     assert (accuracy * 32) == round(accuracy * 32)  # evaluated on its 32 test images, not MNIST's 10,000
+
+
+def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_ones(tmp_path, compose, monkeypatch):
+    """The wiring from data.holdout to the loop: what `train` receives, and what the run records. Images are
+    numbered (tests: 255 - j), so each split says which images it holds."""
+    cell = [*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=3", "data.holdout=16",
+            *fake_dataset_overrides(tmp_path / "numbered", "mnist", "MNIST", numbered=True)]
+    seen = {}
+
+    def spy(model, train_data, valid_data, *args, **kwargs):
+        seen["train"], seen["valid"] = train_data.images[:, 0, 0].tolist(), valid_data.images[:, 0, 0].tolist()
+        return real_train(model, train_data, valid_data, *args, **kwargs)
+
+    real_train = app.train
+    monkeypatch.setattr(app, "train", spy)
+    cfg = prepared(compose(*cell, outputs=tmp_path))
+    accuracy = run_cell(cfg, sweep_id="s")
+    kept, held = (i.tolist() for i in data.holdout_indices(64, 16))
+    assert seen["valid"] == held and seen["train"] == kept  # never the test images (numbered 224 and up)
+    assert not set(seen["valid"]) & set(seen["train"]) and len(seen["valid"]) == 16
+
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+    inputs = {d.dataset.name: json.loads(d.dataset.profile)["num_samples"] for d in run.inputs.dataset_inputs}
+    assert inputs == {"mnist-train-minus16": 48, "mnist-holdout16": 16}
+    assert run.data.params["data.holdout"] == "16" and accuracy * 16 == round(accuracy * 16)  # out of 16 images
 
 
 @pytest.mark.slow
@@ -231,3 +264,22 @@ def test_threads_auto_fills_the_cores_across_parallel_jobs():
     assert threads_for("auto", -1, cores=8) == 1  # joblib's default: one job per core
     assert threads_for("auto", -2, cores=8) == 1 and threads_for("auto", 16, cores=8) == 1
     assert threads_for(3, 2, cores=8) == 3
+
+
+def test_deterministic_cuda_turns_on_deterministic_kernels_and_keeps_a_users_workspace(monkeypatch):
+    """What a CUDA cell sets before it builds anything (run_cell, device cuda, deterministic=true); the
+    settings are process-wide, so they are put back after."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    try:
+        torch.backends.cudnn.benchmark = True
+        app.deterministic_cuda()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the smaller workspace cuBLAS also accepts
+        app.deterministic_cuda()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]

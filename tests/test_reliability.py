@@ -142,6 +142,12 @@ BAD = {
                          r"data=fashion_mnist\)"),
     "dataset": (["data=cifar10"], Exception, r"Could not find 'data/cifar10'(.|\n)*Available options in 'data':\n\tfashion_mnist\n\tmnist"),
     "hold-out": (["data.holdout=60000"], ValueError, r"data.holdout=60000; valid: an integer in \[0, 60000\)"),
+    "training images": (["data.num_train=50000"], ValueError,
+                        r"data.num_train=50000; valid: 60000 \(the images in train-images-idx3-ubyte of data=mnist\)"),
+    "groups": (["norm=gn", "norm.groups=3"], ValueError,
+               r"norm.groups=3 does not divide the channels \[32, 64, 128, 256\]; valid: \[1, 2, 4, 8, 16, 32\]"),
+    "device type": (["device=cpu", "device_type=cuda"], ValueError,
+                    r"device_type='cuda'; valid: cpu, what device=cpu is here \(leave device_type to the run\)"),
 }
 
 

@@ -193,3 +193,17 @@ def test_a_failed_trial_is_fail_in_optuna_and_failed_in_mlflow_and_the_study_goe
     failed = runs["gn4-bs16a1-s1-t1"]
     assert failed.info.status == "FAILED" and failed.data.tags["diverged_step"] == "2"
     assert failed.data.tags["optuna.state"] == "FAIL" and runs["gn4-bs16a1-s1-t0"].info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_too_many_failed_trials_stop_the_study(tmp_path, gaexp_command, training_runs):
+    """Both learning rates diverge; with max_failure_rate 0.5 the first failure (1 of 1) is already too many:
+    the study stops there, its second trial never asked for, and the command fails saying why."""
+    proc = gaexp_command(tmp_path, *STUDY, "train.lr=choice(1e30, 1e31)", "hydra.sweeper.sampler.name=grid",
+                         "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_jobs=1", "hydra.sweeper.n_trials=2",
+                         "hydra.sweeper.max_failure_rate=0.5")
+    assert proc.returncode == 1
+    assert "t: 1 of 1 trials failed, more than hydra.sweeper.max_failure_rate=0.5" in proc.stdout + proc.stderr
+    assert [t.state for t in study_of(tmp_path, "t").trials] == [TrialState.FAIL]
+    _, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    assert [(name, run.info.status) for name, run in runs.items()] == [("gn4-bs16a1-s1-t0", "FAILED")]

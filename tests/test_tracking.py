@@ -94,24 +94,38 @@ def test_protocol_key_ignores_what_cannot_change_a_result():
 
 
 def test_stale_running_runs_are_marked_killed(store):
+    """A run names its process by host, pid and the process's start time: a pid the system has given to a new
+    process since (here: this very test process, with another start time) is gone. No process is killed or
+    waited for: nothing depends on when the system reuses a pid."""
     client, experiment_id, _ = store
     now = float(int(time.time()))  # whole seconds, as heartbeats are stored: the ages below are exact
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # reaped: no process has this pid now
+    here, me = socket.gethostname(), os.getpid()
     with tracking.tracked_run(client, experiment_id, "alive", {}) as alive:
-        dead = client.create_run(experiment_id, run_name="dead", tags={tracking.HOST: f"{socket.gethostname()}:{gone.pid}",
-                                                                        tracking.HEARTBEAT: f"{now:.0f}"})
+        assert client.get_run(alive).data.tags[tracking.PROCESS_START] == tracking.process_start(me)
+        reused = client.create_run(experiment_id, run_name="reused", tags={
+            tracking.HOST: f"{here}:{me}", tracking.PROCESS_START: "1", tracking.HEARTBEAT: f"{now:.0f}"})
+        older = client.create_run(experiment_id, run_name="older", tags={  # recorded before the start time was
+            tracking.HOST: f"{here}:{me}", tracking.HEARTBEAT: f"{now:.0f}"})
         silent = client.create_run(experiment_id, run_name="silent", tags={tracking.HOST: "elsewhere:1",
                                                                             tracking.HEARTBEAT: f"{now - 7200:.0f}"})
         recent = client.create_run(experiment_id, run_name="recent", tags={tracking.HOST: "elsewhere:2",
                                                                             tracking.HEARTBEAT: f"{now - 3599:.0f}"})
         marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600, now=now)
-        assert sorted(marked) == [f"dead (process {gone.pid} on {socket.gethostname()} is gone)",
-                                  "silent (no heartbeat for 7200 s)"]
+        assert sorted(marked) == [f"reused (process {me} on {here} is gone)", "silent (no heartbeat for 7200 s)"]
         assert client.get_run(alive).info.status == "RUNNING"  # this very process: alive
+        assert client.get_run(older.info.run_id).info.status == "RUNNING"  # its pid runs: taken as alive
         assert client.get_run(recent.info.run_id).info.status == "RUNNING"  # heard from 3599 s ago: not yet stale
-    assert client.get_run(dead.info.run_id).info.status == "KILLED"
+    assert client.get_run(reused.info.run_id).info.status == "KILLED"
     assert client.get_run(silent.info.run_id).data.tags["gaexp.killed_reason"] == "no heartbeat for 7200 s"
+
+
+def test_a_process_is_known_by_its_pid_and_start_time():
+    me = os.getpid()
+    started = tracking.process_start(me)
+    assert started.isdigit() and tracking.process_start(me) == started  # stable for the process's life
+    assert tracking.process_alive(me, started) and tracking.process_alive(me)
+    assert not tracking.process_alive(me, str(int(started) + 1))  # same pid, another process
+    assert tracking.process_start(2**22 + 1) is None and not tracking.process_alive(2**22 + 1)  # above pid_max
 
 
 def fake_sacct(tmp_path, monkeypatch, states: dict[str, str]) -> None:
