@@ -13,7 +13,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from hydra import compose as hydra_compose
@@ -160,6 +160,26 @@ def free_port():
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     return pick
+
+
+def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: float = 600) -> None:
+    """SIGKILL `proc`'s process group (started with start_new_session=True) in a state the code records,
+    `reached()` (run or trial states in a store): once it reads true, the group is frozen (SIGSTOP) and
+    `reached()` asked again, so the kill lands in that state however fast or loaded the machine is. Fails if
+    the command ends, or `timeout` s pass, without reaching it."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if reached():
+            os.killpg(proc.pid, signal.SIGSTOP)
+            if reached():  # still so, and frozen: nothing can move on before the kill
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return
+            os.killpg(proc.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    raise AssertionError(f"the command {'ended' if proc.poll() is not None else 'ran on'} before the state to "
+                         "kill it in was reached")
 
 
 @contextmanager

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
-import time
 
 import pandas as pd
 import pytest
@@ -20,7 +17,7 @@ from gaexp.app import prepare, threads_for
 from gaexp.data import data_config, raw_dir
 
 MD5 = data_config("mnist").files
-from tests.conftest import TINY
+from tests.conftest import TINY, kill_when
 
 LONGER = ["train.num_iterations=40", "train.eval_period=20"]  # long enough for a kill to land mid-sweep
 
@@ -41,14 +38,7 @@ def test_killed_sweep_resumes_without_rerunning_finished_cells(tmp_path, gaexp_a
     grid = ["norm=gn4,none", "regime=bs16a1,bs4a4", "seed=1", *LONGER]
     proc = subprocess.Popen(gaexp_argv(tmp_path, *grid), cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        time.sleep(0.3)
-        statuses = run_statuses(tmp_path / "mlflow.db")
-        if "FINISHED" in statuses and "RUNNING" in statuses:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when(proc, lambda: {"FINISHED", "RUNNING"} <= set(run_statuses(tmp_path / "mlflow.db")))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     _, before = training_runs(uri)
     finished_before = {name: r.info.run_id for name, r in before.items() if r.info.status == "FINISHED"}

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 
 import optuna
 import pytest
@@ -16,6 +13,7 @@ from gaexp import tuning
 from hydra_plugins.gaexp_optuna_sweeper import sweeper
 from hydra_plugins.gaexp_optuna_sweeper.config import PrunerConf, SamplerConf
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import make_pruner, make_sampler, open_storage, split_arguments
+from tests.conftest import kill_when
 
 # Hydra's plugin scan executes the module again (in the same module object), so its classes are read
 # from the module at each use, never bound at import: `sweeper.SweeperError`.
@@ -161,17 +159,13 @@ def test_a_killed_study_resumes_to_n_trials_with_none_left_running(tmp_path, gae
                 "hydra.sweeper.sampler.seed=5", "train.lr=tag(log, interval(1e-4, 1e-2))"]
     proc = subprocess.Popen(gaexp_argv(tmp_path, *settings), cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:  # until trial 0 is done and trial 1 runs
-        time.sleep(0.5)
+    def trial_0_done_and_trial_1_running() -> bool:
         try:
-            states = [t.state for t in study_of(tmp_path, "t").trials]
+            return [t.state for t in study_of(tmp_path, "t").trials][:2] == [TrialState.COMPLETE, TrialState.RUNNING]
         except KeyError:  # no journal or no study yet
-            continue
-        if states[:2] == [TrialState.COMPLETE, TrialState.RUNNING]:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+            return False
+
+    kill_when(proc, trial_0_done_and_trial_1_running)
     again = gaexp_command(tmp_path, *settings)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "trial 1 was left RUNNING by an earlier sweep: marked FAIL" in again.stdout + again.stderr
