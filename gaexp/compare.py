@@ -2,7 +2,7 @@
 
 `python -m gaexp.compare STORE_A STORE_B` pairs the training runs by name and compares their
 `valid_acc` and `train_loss` histories, every metric but time and memory, and every tag but
-those naming the sweep, host and heartbeat. It prints each difference and exits 1 if any.
+those naming the sweep, host, process and heartbeat. It prints each difference and exits 1 if any.
 Params are listed apart: a change may add config keys without changing a result.
 """
 
@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from gaexp.analysis import training_runs
 
 MEASURED = {"wall_seconds", "samples_per_sec", "peak_rss_mb", "cuda_max_mem_mb"}  # vary run to run
-PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.heartbeat"}  # where and when, not what
+PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat"}  # where and when, not what
 
 
 def differences(client_a: MlflowClient, client_b: MlflowClient, experiment: str = "gaexp") -> tuple[list[str], list[str]]:
