@@ -120,9 +120,11 @@ def sacct(monkeypatch):
 
 
 def test_tasks_are_collected_as_they_end_and_a_suspended_one_is_waited_for(tmp_path, sacct):
-    jobs = [FakeJob(tmp_path, "7_0", "a", polls=3), FakeJob(tmp_path, "7_1", UncompletedJobError("cancelled"),
-                                                            state="CANCELLED by 0"),
-            FakeJob(tmp_path, "7_2", "c", polls=1), FakeJob(tmp_path, "7_3", UncompletedJobError("z"), state="SUSPENDED")]
+    """In the order they end, not the array's; a task submitit calls ended while SUSPENDED, once sacct says so."""
+    jobs = [FakeJob(tmp_path, "7_0", "a", polls=3),
+            FakeJob(tmp_path, "7_1", UncompletedJobError("cancelled"), state="CANCELLED by 0"),
+            FakeJob(tmp_path, "7_2", "c", polls=1),
+            FakeJob(tmp_path, "7_3", UncompletedJobError("cancelled while suspended"), state="SUSPENDED")]
     ended = []
 
     def on_end(i):
@@ -130,17 +132,16 @@ def test_tasks_are_collected_as_they_end_and_a_suspended_one_is_waited_for(tmp_p
         if i == 0:
             sacct["7_3"] = "CANCELLED"  # cancelled while suspended: only sacct says so, submitit stopped asking
 
-    wait_for_every(jobs, on_end, poll_s=0)
+    wait_for_every(jobs, on_end, poll_s=0, sacct_every_s=0)
     assert ended == [1, 2, 0, 3]
 
 
-def test_a_task_without_a_result_is_a_failed_cell_with_its_run_killed_and_the_others_are_collected(
-        tmp_path, sacct, data_root):
+def test_a_task_without_a_result_is_a_failed_cell_with_its_run_killed_and_the_others_are_collected(tmp_path, sacct):
     """Task 0 cancelled (sacct says so), task 1 out of time (only submitit says so yet), task 2 finishing last."""
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(CONFIG_DIR))
     config = loader.load_configuration("config", [
-        "launch=slurm", f"paths.outputs={tmp_path}", f"data.root={data_root}", "data.sources=[local]",
-        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.sweep.dir={tmp_path}/multirun/s"],
+        "launch=slurm", f"paths.outputs={tmp_path}", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"hydra.sweep.dir={tmp_path}/multirun/s"],
         run_mode=RunMode.MULTIRUN)
     assert config.hydra.launcher._target_ == "hydra_plugins.gaexp_grid_sweeper.submitit_launcher.SlurmLauncher"
     experiment_id = tracking.prepare_store(config.mlflow.tracking_uri, "gaexp", str(tmp_path / "artifacts"))
@@ -154,7 +155,8 @@ def test_a_task_without_a_result_is_a_failed_cell_with_its_run_killed_and_the_ot
             FakeJob(tmp_path, "7_2", finished, polls=2)]
     sacct["7_0"] = "CANCELLED"
     launcher = SlurmLauncher(**OmegaConf.to_container(config.hydra.launcher))
-    launcher.setup(hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks()), task_function=None, config=config)
+    launcher.setup(hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks()), task_function=None,
+                   config=config)
     launcher.submit = lambda job_overrides, initial_job_idx: jobs  # instead of sbatch
 
     returns = launcher.launch(cells, initial_job_idx=0)

@@ -42,28 +42,38 @@ def ended_reason(job_id: str, state: str | None) -> str:
     return f"SLURM job {job_id} ended {words[0] if words else 'UNKNOWN'}"
 
 
-def has_ended(job: Any) -> bool:
-    """Whether a submitted task is over: it left a result, or submitit saw it end (CANCELLED, TIMEOUT, ...).
-    submitit also counts a SUSPENDED (RESIZING, CONFIGURING) task as ended and stops asking about it: for those,
-    the cluster's accounting (gaexp.tracking.slurm_job_end) says whether it goes on or has ended since."""
-    from gaexp.tracking import SLURM_LIVE, slurm_job_end
+def has_ended(job: Any) -> bool | None:
+    """Whether a submitted task is over: True when it left a result or submitit saw it end (CANCELLED, TIMEOUT,
+    ...), False while it is queued or running. None when submitit calls it ended in a state that goes on
+    (SUSPENDED, RESIZING, CONFIGURING): submitit then stops asking, and only the cluster's accounting can say."""
+    from gaexp.tracking import SLURM_LIVE
 
     if job.paths.result_pickle.exists():
         return True
     if not job.done():
         return False
     state = job.state.split()
-    return (bool(state) and state[0] not in SLURM_LIVE) or slurm_job_end(job.job_id) is not None
+    return None if state and state[0] in SLURM_LIVE else True
 
 
-def wait_for_every(jobs: Sequence[Any], on_end: Callable[[int], None], poll_s: float = 1.0) -> None:
+def wait_for_every(jobs: Sequence[Any], on_end: Callable[[int], None], poll_s: float = 1.0,
+                   sacct_every_s: float = 30.0) -> None:
     """on_end(i) for each job as it ends, in the order they end, until every job has: one that ends without a
-    result stops nothing, and is known at once, not after the jobs before it in the array."""
+    result stops nothing, and is known at once, not after the jobs before it in the array. A suspended job is
+    waited for; sacct (gaexp.tracking.slurm_job_end) is asked every `sacct_every_s` whether it has ended since."""
+    from gaexp.tracking import slurm_job_end
+
     pending = list(range(len(jobs)))
+    ask_at: Dict[int, float] = {}
     while pending:
-        for i in [i for i in pending if has_ended(jobs[i])]:
-            pending.remove(i)
-            on_end(i)
+        for i in list(pending):
+            ended = has_ended(jobs[i])
+            if ended is None and time.monotonic() >= ask_at.get(i, 0.0):
+                ask_at[i] = time.monotonic() + sacct_every_s
+                ended = slurm_job_end(jobs[i].job_id) is not None
+            if ended:
+                pending.remove(i)
+                on_end(i)
         if pending:
             time.sleep(poll_s)  # as submitit's own Job.wait; its sacct calls are spaced out by its watcher
 
@@ -104,9 +114,9 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             job = jobs[i]
             try:
                 outcomes[i] = job.results()[0]
-            except UncompletedJobError as e:
-                if type(e) is not UncompletedJobError:  # FailedJobError: the task raised outside its cell
-                    outcomes[i] = e
+            except Exception as e:  # noqa: BLE001 - raised below, once every task has ended
+                outcomes[i] = e
+                if type(e) is not UncompletedJobError:  # e.g. FailedJobError: the task raised outside its cell
                     return
                 reason = ended_reason(job.job_id, slurm_job_end(job.job_id) or job.state)
                 outcomes[i] = self.failed_cell(job_overrides[i], reason)
