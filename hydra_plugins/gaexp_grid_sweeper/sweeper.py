@@ -19,7 +19,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from mlflow.tracking import MlflowClient
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from gaexp import progress, tracking
 from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
@@ -36,6 +36,23 @@ def uncompleted(error: Exception) -> str:
             "have waited for them). When `squeue` no longer lists them, run the same command again: FINISHED cells "
             "are skipped, and a cell whose run this task left RUNNING is marked KILLED and runs again "
             "(docs/cluster.md).")
+
+
+def cost_of(cfg: DictConfig) -> float:
+    """A cell's expected work (gaexp/progress.py), from its own composed config."""
+    return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
+                                     cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES)
+
+
+def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Every check the cell's job would make before training (gaexp.app.check), here, before anything of the
+    sweep is recorded; a bad value in a swept axis ends the command with one line naming the cell."""
+    from gaexp.app import check, job_config  # the application's own checks; gaexp.app is loaded when it sweeps
+
+    try:
+        check(job_config(cfg))
+    except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
+        raise SystemExit(f"error: cell {' '.join(overrides)}: {e}") from None
 
 
 def longest_first(cells: Sequence[Sequence[str]], costs: Sequence[float]) -> List[List[str]]:
@@ -55,16 +72,23 @@ class GridSweeper(BasicSweeper):
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.order, self.show, self.poll_s = order, progress, poll_s
 
+    def cell_config(self, overrides: Sequence[str]) -> DictConfig:
+        """The config a cell's job will compose."""
+        return self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
+                                                                  sweep_overrides=list(overrides))
+
     def cost(self, overrides: Sequence[str]) -> float:
-        cfg = self.hydra_context.config_loader.load_sweep_config(master_config=self.config,
-                                                                 sweep_overrides=list(overrides))
-        return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
-                                         cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES)
+        return cost_of(self.cell_config(overrides))
 
     def sweep(self, arguments: List[str]) -> Any:
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         (cells,) = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)
-        costs = [self.cost(cell) for cell in cells]  # composes every cell: bad overrides stop the sweep here
+        varying = [i for i in range(len(cells[0]) if cells else 0) if len({c[i] for c in cells}) > 1]
+        costs = []
+        for cell in cells:  # composed and checked as its job will be: bad input stops the sweep before the plan run
+            cfg = self.cell_config(cell)
+            check_cell(cfg, [cell[i] for i in varying])
+            costs.append(cost_of(cfg))
         if self.order == "longest_first":
             cells, costs = longest_first(cells, costs), sorted(costs, reverse=True)
         size = self.max_batch_size or len(cells)
@@ -74,7 +98,6 @@ class GridSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         at_once = self.config.get("cells_at_once")
         plan = progress.Plan(len(cells), sum(costs), at_once if at_once and at_once > 0 else None)
-        varying = [i for i in range(len(cells[0]) if cells else 0) if len({c[i] for c in cells}) > 1]
         log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
                  self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
                  progress.duration(plan.expected_s))
