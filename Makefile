@@ -40,7 +40,7 @@ sweep: data   ## a study (conf/experiment/$(STUDY).yaml: the 60-run grid) on DAT
 	$(PYTHON) -m gaexp -m +experiment=$(STUDY) data=$(DATA) launch=joblib hydra.launcher.n_jobs=$(JOBS)
 
 test: setup-test data   ## every test: what CI runs
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 test-fast: setup-test data   ## the edit loop: everything but the slow tests (subprocess sweeps, servers, Ray)
 	$(PYTHON) -m pytest -q -m "not slow"
