@@ -10,9 +10,8 @@ from pathlib import Path
 
 def apply() -> None:
     cpus, quota = os.environ.get("GAEXP_TEST_CPUS"), os.environ.get("GAEXP_TEST_CPU_QUOTA")
-    if cpus:
+    if cpus:  # the CPUs a process may use; os.cpu_count stays the hardware's, which daemons such as slurmd see
         os.sched_getaffinity = lambda pid: set(range(int(cpus)))
-        os.cpu_count = lambda: int(cpus)
     if quota:
         folder = Path(os.environ.get("GAEXP_TEST_CGROUP") or tempfile.mkdtemp(prefix="gaexp-test-cgroup-"))
         (folder / "cpu.max").write_text(f"{int(quota) * 100000} 100000\n")  # cgroup v2: quota, period (us)
