@@ -10,6 +10,7 @@ schema `AnalysisConfig`). `gaexp-report --help` runs them all.
 from __future__ import annotations
 
 import argparse
+import itertools
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -31,11 +32,19 @@ from scipy import stats  # noqa: E402
 from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
 from gaexp.tracking import sweeps_of  # noqa: E402
 
-PROTOCOL = [key.rpartition(".")[2] for key in PROTOCOL_COLUMNS]  # runs differing in any of these never mix
+
+def column(key: str) -> str:
+    """The table column of a protocol key: its last part, or its node's name for a `name` (model.name: model)."""
+    node, _, leaf = key.rpartition(".")
+    return node.rpartition(".")[2] if leaf == "name" and node else leaf
+
+
+PROTOCOL = [column(key) for key in PROTOCOL_COLUMNS]  # runs differing in any of these never mix
 TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
         "step", "valid_acc", "train_loss"]
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
-DATASET = "dataset"  # the protocol column of data.dataset (runs recorded before it: mnist, its default)
+DATASET, MODEL = "dataset", "model"  # the protocol columns of data.dataset and model.name
+PARTS = {DATASET: "data.dataset", MODEL: "model.name"}  # a report never pools two values of these: one per value
 RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds"]
 
 
@@ -43,7 +52,7 @@ class AnalysisError(RuntimeError):
     """A one-line reason the analysis cannot go on (unknown experiment or sweep, mixed protocols...)."""
 
 
-EXCLUDED = ["run_id", "run_name", "status", DATASET]
+EXCLUDED = ["run_id", "run_name", "status", *PARTS]
 
 
 @dataclass
@@ -89,9 +98,10 @@ def training_runs(client: MlflowClient, experiment_name: str) -> dict[str, Run]:
     return {r.info.run_name: r for r in runs if is_training_run(r)}
 
 
-def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", dataset: str | None = None) -> Collected:
+def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", dataset: str | None = None,
+            model: str | None = None) -> Collected:
     """Runs and their metric histories; `sweep` is 'latest', 'all', a sweep id or several, comma-separated;
-    `dataset` keeps that dataset's runs only (`select`).
+    `dataset` and `model` keep that dataset's or model's runs only (`select`).
 
     FINISHED runs are the data; FAILED, KILLED and still RUNNING ones are listed
     in `excluded`, never averaged in.
@@ -124,7 +134,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
     for run in runs:
         if run.info.status != "FINISHED":
             excluded.append((run.info.run_id, run.info.run_name, run.info.status,
-                             run.data.tags.get(DATASET, ADDED_DEFAULTS["data.dataset"])))
+                             *(run.data.tags.get(name, ADDED_DEFAULTS[key]) for name, key in PARTS.items())))
             continue
         tags, params = run.data.tags, run.data.params
         base = {"run_id": run.info.run_id, "sweep_id": tags.get("sweep_id", ""), "norm": tags["norm"],
@@ -132,7 +142,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
                 "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
                 **{name: _number(params.get(key, str(ADDED_DEFAULTS.get(key, "nan"))))
                    for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
-        run_rows.append({**{k: base[k] for k in [*TIDY[:7], DATASET]},
+        run_rows.append({**{k: base[k] for k in [*TIDY[:7], *PARTS]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                      for key in ("valid_acc", "train_loss")}
@@ -141,23 +151,31 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
                          "train_loss": histories["train_loss"].get(step, np.nan)})
     data = pd.DataFrame(rows, columns=TIDY)
     collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
-                          pd.DataFrame(run_rows, columns=[*TIDY[:7], DATASET, *RUN_METRICS]))
-    return collected if dataset is None else select(collected, dataset)
+                          pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS]))
+    return select(collected, dataset=dataset, model=model)
+
+
+def values_in(collected: Collected, part: str) -> list[str]:
+    """The values of a part (dataset, model) among the collected runs, finished or not, sorted."""
+    return sorted({*collected.data[part], *collected.excluded[part]})
 
 
 def datasets_in(collected: Collected) -> list[str]:
-    """The datasets of the collected runs, finished or not, sorted."""
-    return sorted({*collected.data[DATASET], *collected.excluded[DATASET]})
+    return values_in(collected, DATASET)
 
 
-def select(collected: Collected, dataset: str) -> Collected:
-    """The runs of one dataset: a report never pools two."""
-    there = datasets_in(collected)
-    if dataset not in there:
-        raise AnalysisError(f"--dataset {dataset!r}: no such runs in sweep {collected.sweep!r}; there: {there}")
-    runs = None if collected.runs is None else collected.runs[collected.runs[DATASET] == dataset]
-    return Collected(collected.data[collected.data[DATASET] == dataset],
-                     collected.excluded[collected.excluded[DATASET] == dataset], collected.sweep, runs)
+def select(collected: Collected, **wanted: str | None) -> Collected:
+    """The runs of one dataset and/or one model (`dataset=`, `model=`; None: all): a report never pools two."""
+    for part, value in wanted.items():
+        if value is None:
+            continue
+        there = values_in(collected, part)
+        if value not in there:
+            raise AnalysisError(f"--{part} {value!r}: no such runs in sweep {collected.sweep!r}; there: {there}")
+        runs = None if collected.runs is None else collected.runs[collected.runs[part] == value]
+        collected = Collected(collected.data[collected.data[part] == value],
+                              collected.excluded[collected.excluded[part] == value], collected.sweep, runs)
+    return collected
 
 
 def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
@@ -177,10 +195,11 @@ def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
 def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
     """Refuse to average runs of different datasets or protocols together. Keys in `per_cell` (a tuned value
     such as lr) may differ between cells, never within one."""
-    datasets = sorted(data[DATASET].unique())
-    if len(datasets) > 1:
-        raise AnalysisError(f"runs of {len(datasets)} datasets ({', '.join(datasets)}) never pool; "
-                            "choose one with --dataset")
+    for part in PARTS:
+        values = sorted(data[part].unique())
+        if len(values) > 1:
+            raise AnalysisError(f"runs of {len(values)} {part}s ({', '.join(values)}) never pool; "
+                                f"choose one with --{part}")
     for key in per_cell:
         if key not in PROTOCOL:
             raise AnalysisError(f"analysis.per_cell: {key!r}; valid: {', '.join(PROTOCOL)}")
@@ -214,6 +233,12 @@ class Summary:
     design: AnalysisConfig
     ranking: pd.DataFrame  # norms on design.ranked_regime, best first, paired differences to each baseline
     dataset: str = ""  # the one dataset of the runs
+    model: str = ""  # and their one model
+
+    @property
+    def label(self) -> str:
+        """What the runs trained on, as the table's title says it: mnist, or mnist, resnet20 (another model)."""
+        return self.dataset + ("" if self.model in ("", ADDED_DEFAULTS["model.name"]) else f", {self.model}")
 
 
 def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
@@ -283,7 +308,8 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     seeds = per_run.groupby(["norm", "regime"]).size()
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
-    return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0])
+    return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
+                   data[MODEL].iloc[0])
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -335,7 +361,8 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisC
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right center", title="regime", frameon=False)
     seeds = data.groupby(["norm", "regime"]).seed.nunique().max()
-    datasets = ", ".join(_order(data[DATASET], [])) if DATASET in data else ""
+    shown = [*_order(data[DATASET], []), *(m for m in _order(data[MODEL], []) if m != ADDED_DEFAULTS["model.name"])]
+    datasets = ", ".join(shown)
     fig.suptitle(f"{datasets + ': ' if datasets else ''}{label.split(' (')[0]}, mean of {seeds} seed(s), "
                  "band min–max", fontsize=11)
     return fig
@@ -360,7 +387,7 @@ def format_table(summary: Summary) -> str:
         return "–" if pd.isna(x) else f"{100 * x:.2f}"
 
     header = ["norm", *summary.table.columns]
-    lines = [f"{summary.dataset}: mean valid accuracy (%) over evaluations at step > {summary.design.window_start}, "
+    lines = [f"{summary.label}: mean valid accuracy (%) over evaluations at step > {summary.design.window_start}, "
              "pooled over seeds", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for norm, row in summary.table.iterrows():
@@ -437,30 +464,36 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
 
 def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", design: AnalysisConfig | None = None,
            out: Path | None = None, outputs_root: Path = Path("outputs"),
-           dataset: str | None = None) -> tuple[Summary, Collected, list[Path]]:
+           dataset: str | None = None, model: str | None = None) -> tuple[Summary, Collected, list[Path]]:
     """collect -> summarize -> export; the default folder is outputs/reports/<sweep>."""
-    collected = collect(MlflowClient(tracking_uri), experiment_name, sweep, dataset)
+    collected = collect(MlflowClient(tracking_uri), experiment_name, sweep, dataset, model)
     summary = summarize(collected.data, design or AnalysisConfig())
     folder = out if out is not None else outputs_root / "reports" / (collected.sweep or "unnamed")
     return summary, collected, export(collected, summary, folder)
 
 
-def report_each_dataset(tracking_uri: str, experiment_name: str, sweep: str, design: AnalysisConfig,
-                        out: Path) -> list[tuple[str, Summary | AnalysisError, list[Path]]]:
-    """A sweep's report per dataset it ran (a sweep over data=mnist,fashion_mnist has two): in `out`
-    when there is one, in `out/<dataset>` each otherwise. A dataset whose report cannot be made
-    gives its AnalysisError in place of the summary, and the others are still made."""
+def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design: AnalysisConfig,
+                     out: Path) -> list[tuple[dict[str, str], str, Summary | AnalysisError, list[Path]]]:
+    """A sweep's report per dataset and model it ran (a sweep over data=mnist,fashion_mnist has two, one
+    over model=simple,resnet20 too): (the part's dataset and model, its name, summary, files). The files
+    are in `out` when there is one part, in `out/<name>` each otherwise, the name joining the values that
+    vary (fashion_mnist, resnet20, or fashion_mnist-resnet20). A part whose report cannot be made gives
+    its AnalysisError in place of the summary, and the others are still made."""
     collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
-    names = datasets_in(collected)
+    values = {part: values_in(collected, part) for part in PARTS}
     made = []
-    for name in names:
-        part = select(collected, name)
+    for combination in itertools.product(*values.values()):
+        wanted = dict(zip(values, combination))
+        part = select(collected, **wanted)
+        if part.data.empty and part.excluded.empty:
+            continue  # e.g. resnet20 ran on mnist only
+        name = "-".join(v for p, v in wanted.items() if len(values[p]) > 1)
         try:
             summary = summarize(part.data, design)
         except AnalysisError as e:
-            made.append((name, e, []))
+            made.append((wanted, name, e, []))
             continue
-        made.append((name, summary, export(part, summary, out if len(names) == 1 else out / name)))
+        made.append((wanted, name, summary, export(part, summary, out / name if name else out)))
     return made
 
 
@@ -477,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dataset", default=None,
                         help="the runs of this dataset only (data.dataset: mnist, fashion_mnist); needed when the "
                              "sweep ran several (default: all, which must be one)")
+    parser.add_argument("--model", default=None,
+                        help="the runs of this model only (model.name: simple, resnet20, ...); needed when the "
+                             "sweep ran several (default: all, which must be one)")
     parser.add_argument("--study", default="spec",
                         help="the report's design: the `analysis` node of conf/experiment/STUDY.yaml, or of a "
                              "YAML file given by path (default: %(default)s)")
@@ -491,10 +527,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.window_start is not None:
             design = dataclasses.replace(design, window_start=args.window_start)
         summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
-                                             dataset=args.dataset)
+                                             dataset=args.dataset, model=args.model)
     except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
-    print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  "
+    models = values_in(collected, MODEL)
+    shown_model = "" if models == [ADDED_DEFAULTS["model.name"]] else f"model: {', '.join(models)}  "
+    print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  {shown_model}"
           f"runs: {collected.data.run_id.nunique()} finished, "
           f"{len(collected.excluded)} excluded")
     print(written[0].read_text())

@@ -25,10 +25,10 @@ from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
 from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, require, typed, usable_cores
-from gaexp.data import Split, check_num_train, ensure_data, holdout_split, load_split, raw_dir, to_input
+from gaexp.data import IN_CHANNELS, NUM_CLASSES, Split, check_num_train, ensure_data, holdout_split, load_split, raw_dir, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
-from gaexp.model import SimpleModel
+from gaexp import model as models
 from gaexp.train import compile_phases, resolve_device, train
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def check(cfg: DictConfig) -> Config:
     ranges (gaexp/config.py), the norm's options against the model (e.g. norm.groups against its channels),
     and a compile that cannot run."""
     c = typed(cfg)
-    make_model(c)
+    check_model(c)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
@@ -57,9 +57,19 @@ def check(cfg: DictConfig) -> Config:
     return c
 
 
+def check_model(c: Config) -> None:
+    """The model loads from its import path with gaexp's arguments, the norm's options fit its channels
+    (norm.groups), and a batch gives one logit per class; the global RNG is left as it was."""
+    make = models.load(c.model.target)
+    norms.check_channels(c.norm.options(), models.norm_channels(make, IN_CHANNELS, NUM_CLASSES), c.model.name)
+    with torch.random.fork_rng(devices=[]):
+        models.check_output(make_model(c), c.model.target, IN_CHANNELS, NUM_CLASSES)
+
+
 def make_model(c: Config) -> torch.nn.Module:
     """The cell's model, initialized from the global RNG (`build` seeds it)."""
-    return SimpleModel(c.norm.name, **c.norm.options())
+    return models.load(c.model.target)(norm_layer=norms.layer(c.norm.name, **c.norm.options()),
+                                       in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
 
 
 def prepare(cfg: DictConfig) -> str:
@@ -136,20 +146,21 @@ class ReportCallback(Callback):
         out = Path(config.paths.outputs) / "reports" / sweep_id
         design: AnalysisConfig = OmegaConf.to_object(config.analysis)
         try:
-            made = analysis.report_each_dataset(config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id,
-                                                design, out)
+            made = analysis.report_each_part(config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id,
+                                             design, out)
         except analysis.AnalysisError as e:
             log.warning("no report for sweep %s: %s (rerun: gaexp-report --sweep %s)", sweep_id, e, sweep_id)
             return
         client = MlflowClient(config.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
-        for dataset, summary, written in made:
-            name = f"report-{sweep_id}" + (f"-{dataset}" if len(made) > 1 else "")
+        for part, label, summary, written in made:
+            name = f"report-{sweep_id}" + (f"-{label}" if label else "")
             if isinstance(summary, analysis.AnalysisError):
-                log.warning("no report for sweep %s on %s: %s (rerun: gaexp-report --sweep %s --dataset %s)",
-                            sweep_id, dataset, summary, sweep_id, dataset)
+                options = " ".join(f"--{k} {v}" for k, v in part.items())
+                log.warning("no report for sweep %s on %s: %s (rerun: gaexp-report --sweep %s %s)",
+                            sweep_id, label, summary, sweep_id, options)
                 continue
-            tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, "dataset": dataset}
+            tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, **part}
             with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
                 for path in written:
                     client.log_artifact(run_id, str(path))
@@ -248,7 +259,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
     tells the sweeper."""
     compiled = compile_phases(c.compile, c.norm.name, device)
-    tags = {"dataset": c.data.dataset, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
+    tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
             "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "sweep_id": sweep_id,
             tracking.SWEEPS: sweep_id, "protocol_key": key,
             "device": device.type, "threads": torch.get_num_threads(),

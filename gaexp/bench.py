@@ -20,21 +20,24 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import ToTensor
 
-from gaexp.config import COMPILE_CHOICES, DEVICES, DataConfig, regime_name
-from gaexp.data import (DataError, Split, data_config, datasets, ensure_data, load_split, micro_batch_indices,
+from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, regime_name
+from gaexp.data import (IN_CHANNELS, NUM_CLASSES, DataError, Split, data_config, datasets, ensure_data, load_split, micro_batch_indices,
                         torchvision_class)
-from gaexp.model import SimpleModel
+from gaexp.model import load
+from gaexp.norms import norm2d
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device
 
 STUDY_NORMS = ("bn", "in", "gn4", "gn16", "none")
-OPTIONLESS_NORMS = (*STUDY_NORMS, "ln", "in_affine")  # those SimpleModel builds without options
+OPTIONLESS_NORMS = (*STUDY_NORMS, "ln", "in_affine")  # the norms built without options
 STUDY_REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
 SEEDS, ITERATIONS, EVALS, VALID_IMAGES = 3, 3600, 12, 10_000
 
@@ -44,21 +47,33 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def model_and_forward(norm: str, device: torch.device, compiled: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def models() -> list[str]:
+    """The models of conf/model/ that name their target (custom needs one given)."""
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml") if "???" not in p.read_text())
+
+
+def build(model: str, norm: str) -> torch.nn.Module:
+    """conf/model/<model>.yaml's network with `norm`, as a cell builds it."""
+    target = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{model}.yaml").target
+    return load(target)(norm_layer=partial(norm2d, norm), in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
+
+
+def model_and_forward(model_name: str, norm: str, device: torch.device,
+                      compiled: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The model as a cell builds it, and what runs it: the model, or its compiled graph starting, as
     `train` does, with no graphs in memory."""
     torch.manual_seed(0)
-    model = SimpleModel(norm).to(device, memory_format=torch.channels_last)
+    model = build(model_name, norm).to(device, memory_format=torch.channels_last)
     if not compiled:
         return model, model
     torch._dynamo.reset()
     return model, torch.compile(model, dynamic=False)
 
 
-def training(data: Split, norm: str, b: int, k: int, samples: int, device: torch.device,
+def training(data: Split, model_name: str, norm: str, b: int, k: int, samples: int, device: torch.device,
              compiled: bool) -> tuple[float, float]:
     """(samples/s of optimizer steps after the first, compiled: seconds of the first step beyond a steady one)."""
-    model, forward = model_and_forward(norm, device, compiled)
+    model, forward = model_and_forward(model_name, norm, device, compiled)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     batches = micro_batch_indices(len(data.labels), b, 0, device)
 
@@ -80,9 +95,9 @@ def training(data: Split, norm: str, b: int, k: int, samples: int, device: torch
     return steps * b * k / seconds, max(0.0, first - seconds / steps) if compiled else 0.0
 
 
-def evaluation(valid: Split, norm: str, images: int, device: torch.device, compiled: bool) -> tuple[float, float]:
+def evaluation(valid: Split, model_name: str, norm: str, images: int, device: torch.device, compiled: bool) -> tuple[float, float]:
     """(images/s of `evaluate` in batches of 256, compiled: seconds of the first pass beyond a steady one)."""
-    _, forward = model_and_forward(norm, device, compiled)
+    _, forward = model_and_forward(model_name, norm, device, compiled)
     split = Split(valid.images[:images], valid.labels[:images])
     tic = time.perf_counter()
     evaluate(forward, split)
@@ -93,12 +108,12 @@ def evaluation(valid: Split, norm: str, images: int, device: torch.device, compi
     return images / seconds, max(0.0, first - seconds) if compiled else 0.0
 
 
-def naive_training(source: DataConfig, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
+def naive_training(source: DataConfig, model_name: str, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
     """Samples/s of the usual loop: DataLoader + ToTensor, NCHW, `.item()` every micro-step."""
     loader = DataLoader(torchvision_class(source)(source.root, train=True, transform=ToTensor()), batch_size=b,
                         shuffle=True)
     torch.manual_seed(0)
-    model = SimpleModel(norm)
+    model = build(model_name, norm)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     running, micro_steps = 0.0, samples // b
     tic = time.perf_counter()
@@ -114,9 +129,9 @@ def naive_training(source: DataConfig, norm: str, b: int, k: int, samples: int) 
     return micro_steps * b / (time.perf_counter() - tic), 0.0
 
 
-def naive_evaluation(source: DataConfig, norm: str, images: int) -> tuple[float, float]:
+def naive_evaluation(source: DataConfig, model_name: str, norm: str, images: int) -> tuple[float, float]:
     """Images/s of the usual evaluation: batches of 32, NumPy argmax."""
-    model = SimpleModel(norm).eval()
+    model = build(model_name, norm).eval()
     test = torchvision_class(source)(source.root, train=False, transform=ToTensor())
     loader = DataLoader(Subset(test, range(images)), batch_size=32)
     correct = 0
@@ -158,6 +173,7 @@ def norm_grid_seconds(rates: dict[str, tuple[float, float]], jobs: int) -> float
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     parser = argparse.ArgumentParser(prog="python -m gaexp.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="simple", choices=models(), help="conf/model/ (default: %(default)s)")
     parser.add_argument("--norms", default=",".join(STUDY_NORMS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--regimes", default=",".join(STUDY_REGIMES),
                         help="comma-separated bs{b}a{k} names (default: the study's four)")
@@ -201,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     data, valid = load_split(source, True, device), load_split(source, False, device)
     torch.set_num_threads(args.threads)
-    print(f"inputs: norms {','.join(args.norms)}; regimes {','.join(args.regimes)}; device {device}, "
+    print(f"inputs: model {args.model}; norms {','.join(args.norms)}; regimes {','.join(args.regimes)}; device {device}, "
           f"{args.threads} thread(s); {args.samples} training samples and {args.eval_images} test images per "
           f"measurement, {args.repeats} repeats after a warm-up, medians;\n        eager (compile=off) beside "
           f"gaexp (compile={args.compile}); torch {torch.__version__}, {args.cores} cores")
@@ -215,11 +231,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9}{naive_column}")
         for name, (b, k) in [*args.regimes.items(), ("eval", (0, 0))]:
             if name == "eval":
-                measure = partial(evaluation, valid, norm, args.eval_images, device)
-                naive = partial(naive_evaluation, source, norm, args.eval_images)
+                measure = partial(evaluation, valid, args.model, norm, args.eval_images, device)
+                naive = partial(naive_evaluation, source, args.model, norm, args.eval_images)
             else:
-                measure = partial(training, data, norm, b, k, args.samples, device)
-                naive = partial(naive_training, source, norm, b, k, args.samples)
+                measure = partial(training, data, args.model, norm, b, k, args.samples, device)
+                naive = partial(naive_training, source, args.model, norm, b, k, args.samples)
             sides = {"eager": partial(measure, compiled=False)}
             if ("eval" if name == "eval" else "train") in phases:
                 sides["gaexp"] = partial(measure, compiled=True)

@@ -101,7 +101,7 @@ class NormConfig(Checked):
 
 @dataclass
 class GroupNormConfig(NormConfig):
-    groups: int = key(8, "GroupNorm groups; must divide every layer's channels (32, 64, 128, 256)", valid=at_least(1))
+    groups: int = key(8, "GroupNorm groups; must divide the channels of every norm layer of the model", valid=at_least(1))
 
 
 @dataclass
@@ -226,6 +226,19 @@ class DataConfig(Checked):
 
 
 @dataclass
+class ModelConfig(Checked):
+    """The network (conf/model/<name>.yaml): a callable building it from the norm layer (gaexp/model.py)."""
+
+    PREFIX: ClassVar[str] = "model."
+    name: str = key("simple", "the model (the group's file name): a tag, part of the run name and of the protocol",
+                    was="simple")  # what every run recorded before this key trained
+    target: str = key(MISSING, "module:callable taking norm_layer, in_channels, num_classes (by keyword)",
+                      was="gaexp.model:SimpleModel")
+    cost: float = key(1.0, "seconds per image relative to the simple CNN, for the sweep's plan and ETA",
+                      runtime=True, valid=number(0, open_low=True))
+
+
+@dataclass
 class OptunaTrialConfig:
     """Set by the gaexp_optuna sweeper for each trial (hydra_plugins/gaexp_optuna_sweeper)."""
 
@@ -287,6 +300,7 @@ CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib'
 class Config(Checked):
     """One cell of the study: conf/config.yaml composes it from the groups norm, regime and launch."""
 
+    model: ModelConfig = key(MISSING, "group: the network (conf/model/)")
     norm: Any = key(MISSING, "group: the normalization layer (conf/norm/)")
     regime: RegimeConfig = key(MISSING, "group: micro-batch and accumulation (conf/regime/)")
     seed: int = key(1, "model initialization, and the data order through its own generator")
@@ -314,12 +328,13 @@ class Config(Checked):
 
     @property
     def run_name(self) -> str:
-        """bn-bs1a16-s1; another dataset than the first leads: fashion_mnist-bn-bs1a16-s1 (the names of runs
-        recorded before datasets were a choice stay valid); a trial of an Optuna study adds its number: -t7."""
-        first = DataConfig.__dataclass_fields__["dataset"].default
-        dataset = "" if self.data.dataset == first else f"{self.data.dataset}-"
+        """bn-bs1a16-s1; another dataset or model than the first leads: fashion_mnist-resnet20-bn-bs1a16-s1 (the
+        names of runs recorded before these were a choice stay valid); a trial of an Optuna study adds its
+        number: -t7."""
+        lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),
+                                           (self.model.name, ADDED_DEFAULTS["model.name"])) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"
-        return f"{dataset}{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
+        return "".join(f"{v}-" for v in lead) + f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 
 
 def check_keys(node: DictConfig, prefix: str = "") -> None:
@@ -339,8 +354,15 @@ def check_keys(node: DictConfig, prefix: str = "") -> None:
 
 
 def typed(cfg: DictConfig) -> Config:
-    """The composed config as objects: unknown keys are refused, every `__post_init__` range check runs."""
+    """The composed config as objects: unknown keys and keys left without a value (`???`) are refused, every
+    `__post_init__` range check runs."""
     check_keys(cfg)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        helps = {name: f.metadata["help"] for name, f, _ in schema_leaves(Config)}
+        name = missing[0]
+        raise ValueError(f"{name} has no value; set it on the command line ({name}=...)"
+                         + (f": {helps[name]}" if name in helps else ""))
     return OmegaConf.to_object(cfg)
 
 

@@ -277,6 +277,9 @@ def check_num_train(data: DataConfig) -> None:
                          f"data={data.dataset})")
 
 
+IN_CHANNELS, NUM_CLASSES = 1, 10  # every dataset gaexp reads: grey 28x28 images of 10 classes
+
+
 @dataclass(frozen=True)
 class Split:
     images: torch.Tensor  # uint8 [N, 28, 28]

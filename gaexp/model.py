@@ -1,37 +1,150 @@
-"""SimpleModel of the study (docs/study.md): four 3x3 convolutions with a pluggable normalization."""
+"""The networks a cell can train (conf/model/), and how a model is loaded from its import path and checked.
+
+A model is any callable `build(norm_layer, in_channels, num_classes) -> nn.Module`, where `norm_layer(channels)`
+returns the normalization layer the cell studies (gaexp/norms.py); conf/model/<name>.yaml names it with
+`target: module:callable`. The study's CNN (`simple`) and a CIFAR-style ResNet-20 (`resnet20`) are the two
+gaexp ships; a user's own model is `model=custom model.target=mypkg.nets:build` (docs/usage.md).
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torchvision.models.resnet import BasicBlock
 
-from gaexp.norms import norm2d
-
-CHANNELS = (32, 64, 128, 256)
-NUM_CLASSES = 10
-
-
-def check_groups(groups: int, channels: tuple[int, ...] = CHANNELS) -> None:
-    """GroupNorm needs a group count that divides every layer's channels."""
-    if any(c % groups for c in channels):
-        valid = [g for g in range(1, min(channels) + 1) if all(c % g == 0 for c in channels)]
-        raise ValueError(f"norm.groups={groups!r} does not divide the channels {list(channels)}; valid: {valid}")
+NormLayer = Callable[[int], nn.Module]
+ARGUMENTS = ("norm_layer", "in_channels", "num_classes")  # what gaexp passes every model builder, by keyword
+IMAGE_SIZE = 28  # the side of the images every dataset of gaexp has (conf/data/)
 
 
 class SimpleModel(nn.Module):
-    def __init__(self, norm: str, **norm_options: int) -> None:
+    """The study's CNN (docs/study.md): four 3x3 convolutions of 32, 64, 128 and 256 channels, each followed
+    by the norm and a ReLU, max-pooling between them (28 -> 14 -> 7 -> 3), global average pooling, a linear
+    classifier."""
+
+    CHANNELS = (32, 64, 128, 256)
+
+    def __init__(self, norm_layer: NormLayer, in_channels: int = 1, num_classes: int = 10) -> None:
         super().__init__()
-        if "groups" in norm_options:
-            check_groups(norm_options["groups"])
         layers: list[nn.Module] = []
-        c_in = 1
-        for i, c_out in enumerate(CHANNELS):
-            layers += [nn.Conv2d(c_in, c_out, 3, padding=1), norm2d(norm, c_out, **norm_options), nn.ReLU(inplace=True)]
-            if i < len(CHANNELS) - 1:
-                layers.append(nn.MaxPool2d(2))  # 28 -> 14 -> 7 -> 3
+        c_in = in_channels
+        for i, c_out in enumerate(self.CHANNELS):
+            layers += [nn.Conv2d(c_in, c_out, 3, padding=1), norm_layer(c_out), nn.ReLU(inplace=True)]
+            if i < len(self.CHANNELS) - 1:
+                layers.append(nn.MaxPool2d(2))
             c_in = c_out
         self.features = nn.Sequential(*layers)
-        self.fc = nn.Linear(c_in, NUM_CLASSES)
+        self.fc = nn.Linear(c_in, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.features(x).mean(dim=(2, 3)))
+
+
+class ZeroPadShortcut(nn.Module):
+    """He et al.'s parameter-free shortcut (option A) where a stage halves the size and doubles the channels:
+    every other pixel, the new channels zero."""
+
+    def __init__(self, extra_channels: int) -> None:
+        super().__init__()
+        self.extra = extra_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = self.extra // 2
+        return F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, half, self.extra - half))
+
+
+class ResNet20(nn.Module):
+    """ResNet-20 for small images (He et al. 2016, section 4.2): a 3x3 convolution of 16 channels, three
+    stages of three torchvision BasicBlocks (16, 32, 64 channels; the second and third halve the size,
+    28 -> 14 -> 7, so no stage reaches 1x1), global average pooling, a linear classifier. A norm follows
+    every convolution: 19 norm layers, the shortcuts being the paper's parameter-free option A."""
+
+    STAGES = (16, 32, 64)
+    BLOCKS = 3
+
+    def __init__(self, norm_layer: NormLayer, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        width = self.STAGES[0]
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False), norm_layer(width),
+                                  nn.ReLU(inplace=True))
+        blocks: list[nn.Module] = []
+        for i, planes in enumerate(self.STAGES):
+            for j in range(self.BLOCKS):
+                stride = 2 if i > 0 and j == 0 else 1
+                shortcut = ZeroPadShortcut(planes - width) if stride == 2 else None
+                blocks.append(BasicBlock(width, planes, stride, shortcut, norm_layer=norm_layer))
+                width = planes
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(width, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+# --- loading a model by its import path, and checking it ----------------------------------------------
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or does not fit gaexp: one line naming what was expected."""
+
+
+def load(target: str) -> Callable[..., nn.Module]:
+    """The callable at `module:name` (or `module.name`), refused in one line if it is not there or does not
+    take gaexp's keyword arguments (`ARGUMENTS`)."""
+    module_name, sep, attr = target.partition(":") if ":" in target else target.rpartition(".")
+    if not module_name or not attr:
+        raise ModelError(f"model.target={target!r}; valid: an import path module:callable, e.g. mypkg.nets:build")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelError(f"model.target={target!r}: cannot import {module_name!r} ({e})") from None
+    make = getattr(module, attr, None)
+    if not callable(make):
+        raise ModelError(f"model.target={target!r}: {module_name} has no callable {attr!r}")
+    try:
+        inspect.signature(make).bind(**{name: None for name in ARGUMENTS})
+    except TypeError:
+        raise ModelError(f"model.target={target!r}: {attr}{inspect.signature(make)} must take the keyword "
+                         f"arguments {', '.join(ARGUMENTS)}") from None
+    except ValueError:  # a builtin without a signature: the call itself will tell
+        pass
+    return make
+
+
+def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes: int) -> list[int]:
+    """The channel count of every norm layer the model asks for, from a build with placeholder layers
+    (the global RNG is left as it was)."""
+    channels: list[int] = []
+
+    def record(c: int) -> nn.Module:
+        channels.append(c)
+        return nn.Identity()
+
+    with torch.random.fork_rng(devices=[]):
+        make(norm_layer=record, in_channels=in_channels, num_classes=num_classes)
+    return channels
+
+
+def check_output(model: nn.Module, target: str, in_channels: int, num_classes: int) -> None:
+    """A batch of 2 blank images must give (2, num_classes) logits (evaluation mode, no gradient)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(torch.zeros(2, in_channels, IMAGE_SIZE, IMAGE_SIZE))
+    except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
+        raise ModelError(f"model.target={target!r}: its forward fails on a batch of shape "
+                         f"(2, {in_channels}, {IMAGE_SIZE}, {IMAGE_SIZE}): {type(e).__name__}: {e}") from None
+    finally:
+        model.train(was_training)
+    shape = tuple(getattr(out, "shape", ()))
+    if shape != (2, num_classes):
+        raise ModelError(f"model.target={target!r}: a batch of 2 images gave output of shape {shape or type(out)}; "
+                         f"expected (2, {num_classes}) logits")

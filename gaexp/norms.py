@@ -9,7 +9,8 @@ of each layer, their defaults and ranges, are declared in gaexp/config.py.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+import functools
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -186,6 +187,17 @@ NORMS: dict[str, Callable[..., nn.Module]] = {
 COMPILED_TRAINING = frozenset({"in", "in_affine"})
 
 
+def check_channels(options: dict, channels: Iterable[int], model: str) -> None:
+    """The norm's options against the channels of the model's norm layers: GroupNorm's groups must divide
+    every one of them."""
+    channels = sorted(set(channels))
+    groups = options.get("groups")
+    if groups is not None and channels and any(c % groups for c in channels):
+        valid = [g for g in range(1, min(channels) + 1) if all(c % g == 0 for c in channels)]
+        raise ValueError(f"norm.groups={groups!r} does not divide the channels {channels} of model={model}; "
+                         f"valid: {valid}")
+
+
 def norm2d(name: str, channels: int, **options: int) -> nn.Module:
     """The normalization layer `name` for `channels` channels (options such as `groups` for gn)."""
     try:
@@ -193,3 +205,8 @@ def norm2d(name: str, channels: int, **options: int) -> nn.Module:
     except KeyError:
         raise ValueError(f"norm.name={name!r}; valid: {sorted(NORMS)}") from None
     return make(channels, **options)
+
+
+def layer(name: str, **options: Any) -> Callable[[int], nn.Module]:
+    """What a model builder takes as `norm_layer`: channels -> the norm `name` with its options."""
+    return functools.partial(norm2d, name, **options)

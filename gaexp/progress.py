@@ -38,17 +38,19 @@ DONE = ("FINISHED", "FAILED", "KILLED")
 
 
 def expected_seconds(batch_size: int, num_accum: int, num_iterations: int, eval_period: int,
-                     valid_images: int = VALID_IMAGES) -> float:
-    """A cell's expected seconds on one core of the reference machine."""
+                     valid_images: int = VALID_IMAGES, model_cost: float = 1.0) -> float:
+    """A cell's expected seconds on one core of the reference machine; `model_cost` (model.cost) scales
+    the simple CNN's times to another model's."""
     evaluations = num_iterations // eval_period + (num_iterations % eval_period > 0)
     step = num_accum * MICRO_S * batch_size ** BATCH_EXPONENT + STEP_S
-    return num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S
+    return model_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
 
 
 def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     """`expected_seconds` of a cell's run, from its tags and logged config."""
     return expected_seconds(int(tags["batch_size"]), int(tags["num_accum"]), int(params["train.num_iterations"]),
-                            int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES)
+                            int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
+                            float(params.get("model.cost", 1.0)))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from gaexp import tracking
 from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, cgroup_cpus, markdown_table,
                           protocol_part, regime_name, runtime_keys, typed, usable_cores)
 from gaexp.model import SimpleModel
-from gaexp.norms import NORMS, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
+from gaexp.norms import layer, NORMS, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 from gaexp.train import train
 
 NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
@@ -66,7 +66,7 @@ def test_every_cell_composes_and_trains(norm, regime, compose, train_split, smal
     c = typed(compose(f"norm={norm}", f"regime={regime}", "seed=2", "train.num_iterations=2", "train.eval_period=1"))
     assert (c.regime.batch_size, c.regime.num_accum) == REGIMES[regime] and c.regime.name == regime
     torch.manual_seed(c.seed)
-    model = SimpleModel(c.norm.name, **c.norm.options()).to(memory_format=torch.channels_last)
+    model = SimpleModel(layer(c.norm.name, **c.norm.options())).to(memory_format=torch.channels_last)
     layers = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
     kind, options = NORM_LAYERS[norm]
     if kind is None:

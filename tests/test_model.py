@@ -6,7 +6,7 @@ from torch import nn
 
 from gaexp.config import typed
 from gaexp.model import SimpleModel
-from gaexp.norms import NORMS, norm2d
+from gaexp.norms import layer, NORMS, norm2d
 
 
 def test_registry_keeps_the_study_defaults():
@@ -29,12 +29,12 @@ def test_unknown_norm_lists_valid_names():
 def test_group_count_must_divide_every_layer():
     with pytest.raises(ValueError, match=r"norm.groups=5 does not divide the channels \[32, 64, 128, 256\]; "
                                          r"valid: \[1, 2, 4, 8, 16, 32\]"):
-        SimpleModel("gn", groups=5)
-    assert SimpleModel("gn", groups=32).features[1].num_groups == 32
+        SimpleModel(layer("gn", groups=5))
+    assert SimpleModel(layer("gn", groups=32)).features[1].num_groups == 32
 
 
 def test_simple_model_shapes_and_size():
-    model = SimpleModel("bn")
+    model = SimpleModel(layer("bn"))
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
         (1, 32, (3, 3), (1, 1)), (32, 64, (3, 3), (1, 1)), (64, 128, (3, 3), (1, 1)), (128, 256, (3, 3), (1, 1))]
@@ -50,7 +50,7 @@ def test_every_norm_starts_from_the_same_weights(compose):
     def convs(norm):
         options = typed(compose(f"norm={norm}", "regime=bs1a16")).norm.options()  # the schema's defaults
         torch.manual_seed(7)
-        model = SimpleModel(norm, **options)
+        model = SimpleModel(layer(norm, **options))
         return [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     reference = convs("bn")

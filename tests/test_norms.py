@@ -10,7 +10,7 @@ from torch import nn
 
 from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.model import SimpleModel
-from gaexp.norms import (BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, hooks_for, kmom,
+from gaexp.norms import (layer, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, hooks_for, kmom,
                          norm2d, precise_statistics)
 from gaexp.train import train
 
@@ -147,7 +147,7 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
     """bn_precise, bn_microeval and bn_kmom differ from bn only in evaluation statistics: same weights after training."""
     def trained(norm, **options):
         torch.manual_seed(3)
-        model = SimpleModel(norm, **options)
+        model = SimpleModel(layer(norm, **options))
         history = train(model, train_split, small_valid, TrainConfig(num_iterations=6, eval_period=3), RegimeConfig(1, 4),
                         seed=3, hooks=hooks_for(model, train_split, seed=3))
         return model, history
@@ -164,6 +164,6 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
 
 
 def test_only_precise_bn_registers_a_hook(train_split):
-    assert hooks_for(SimpleModel("bn"), train_split, seed=1) == []
-    (hook,) = hooks_for(SimpleModel("bn_precise", stats_batch_size=4, stats_samples=64), train_split, seed=1)
+    assert hooks_for(SimpleModel(layer("bn")), train_split, seed=1) == []
+    (hook,) = hooks_for(SimpleModel(layer("bn_precise", stats_batch_size=4, stats_samples=64)), train_split, seed=1)
     assert isinstance(hook, PreciseStatistics) and (hook.batch_size, hook.samples) == (4, 64)

@@ -22,7 +22,7 @@ from gaexp.data import data_config, raw_dir
 MD5 = data_config("mnist").files
 from gaexp.hooks import EvalPoint
 from gaexp.model import SimpleModel
-from gaexp.norms import MicroBatchEvalBatchNorm2d
+from gaexp.norms import layer, MicroBatchEvalBatchNorm2d
 from gaexp.train import evaluate, train
 
 
@@ -232,7 +232,7 @@ def batch_statistics(model: torch.nn.Module, micro_batch: int) -> torch.nn.Modul
 def trained_bn(train_split, small_valid):
     """The study's model (bn, channels_last as app.build makes it) after 40 steps of 16 images, and its history."""
     torch.manual_seed(1)
-    model = SimpleModel("bn").to("cpu", memory_format=torch.channels_last)
+    model = SimpleModel(layer("bn")).to("cpu", memory_format=torch.channels_last)
     history = train(model, train_split, small_valid, TrainConfig(num_iterations=40, eval_period=20), RegimeConfig(16, 1),
                     seed=1)
     return model, history

@@ -11,13 +11,14 @@ from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.data import Split, micro_batch_indices, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, EvalPoint, Hook, Progress
 from gaexp.model import SimpleModel
+from gaexp.norms import layer
 from gaexp import train as train_module
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device, train
 
 
 def model_for(norm: str, seed: int = 1, **options: int) -> SimpleModel:
     torch.manual_seed(seed)
-    return SimpleModel(norm, **options).to(memory_format=torch.channels_last)
+    return SimpleModel(layer(norm, **options)).to(memory_format=torch.channels_last)
 
 
 def one_step_gradients(norm, batch_size, num_accum, data, seed=1):

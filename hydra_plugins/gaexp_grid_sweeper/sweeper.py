@@ -41,7 +41,7 @@ def uncompleted(error: Exception) -> str:
 def cost_of(cfg: DictConfig) -> float:
     """A cell's expected work (gaexp/progress.py), from its own composed config."""
     return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
-                                     cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES)
+                                     cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES, cfg.model.cost)
 
 
 def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> None:
