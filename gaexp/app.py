@@ -61,14 +61,16 @@ def check_model(c: Config) -> None:
     """The model loads from its import path with gaexp's arguments, the norm's options fit its channels
     (norm.groups), and a batch gives one logit per class; the global RNG is left as it was."""
     make = models.load(c.model.target)
-    norms.check_channels(c.norm.options(), models.norm_channels(make, IN_CHANNELS, NUM_CLASSES), c.model.name)
+    channels = models.norm_channels(make, IN_CHANNELS, NUM_CLASSES)
+    norms.check_channels(c.norm.options(), channels, c.model.name)
+    norms.check_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
         models.check_output(make_model(c), c.model.target, IN_CHANNELS, NUM_CLASSES)
 
 
 def make_model(c: Config) -> torch.nn.Module:
     """The cell's model, initialized from the global RNG (`build` seeds it)."""
-    return models.load(c.model.target)(norm_layer=norms.layer(c.norm.name, **c.norm.options()),
+    return models.load(c.model.target)(norm_layer=norms.layer_of(c.norm),
                                        in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
 
 

@@ -135,7 +135,19 @@ class KMomentumBNConfig(NormConfig):
                           valid=number(0, 1, open_low=True))
 
 
-NORM_SCHEMAS = {"plain": NormConfig, "gn": GroupNormConfig, "bn_precise": PreciseBNConfig,
+@dataclass
+class CustomNormConfig(NormConfig):
+    """A norm the registry (gaexp/norms.py) does not have, in one file: conf/norm/<name>.yaml names the
+    callable that builds it and its keyword arguments (docs/development.md)."""
+
+    target: str = key(MISSING, "module:callable building the layer: the channel count, then `params` by keyword")
+    params: Dict[str, Any] = key({}, "keyword arguments of the callable besides the channel count")
+
+    def options(self) -> Dict[str, Any]:
+        return dict(self.params)
+
+
+NORM_SCHEMAS = {"plain": NormConfig, "custom": CustomNormConfig, "gn": GroupNormConfig, "bn_precise": PreciseBNConfig,
                 "bn_microeval": MicroEvalBNConfig, "brn": BatchRenormConfig, "bn_kmom": KMomentumBNConfig}
 
 

@@ -8,14 +8,15 @@ gaexp ships; a user's own model is `model=custom model.target=mypkg.nets:build` 
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchvision.models.resnet import BasicBlock
+
+from gaexp import targets
+from gaexp.targets import TargetError
 
 NormLayer = Callable[[int], nn.Module]
 ARGUMENTS = ("norm_layer", "in_channels", "num_classes")  # what gaexp passes every model builder, by keyword
@@ -91,31 +92,10 @@ class ResNet20(nn.Module):
 
 # --- loading a model by its import path, and checking it ----------------------------------------------
 
-class ModelError(ValueError):
-    """A model that cannot be loaded or does not fit gaexp: one line naming what was expected."""
-
-
 def load(target: str) -> Callable[..., nn.Module]:
-    """The callable at `module:name` (or `module.name`), refused in one line if it is not there or does not
+    """The model builder at `target` (module:callable), refused in one line if it is not there or does not
     take gaexp's keyword arguments (`ARGUMENTS`)."""
-    module_name, sep, attr = target.partition(":") if ":" in target else target.rpartition(".")
-    if not module_name or not attr:
-        raise ModelError(f"model.target={target!r}; valid: an import path module:callable, e.g. mypkg.nets:build")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ModelError(f"model.target={target!r}: cannot import {module_name!r} ({e})") from None
-    make = getattr(module, attr, None)
-    if not callable(make):
-        raise ModelError(f"model.target={target!r}: {module_name} has no callable {attr!r}")
-    try:
-        inspect.signature(make).bind(**{name: None for name in ARGUMENTS})
-    except TypeError:
-        raise ModelError(f"model.target={target!r}: {attr}{inspect.signature(make)} must take the keyword "
-                         f"arguments {', '.join(ARGUMENTS)}") from None
-    except ValueError:  # a builtin without a signature: the call itself will tell
-        pass
-    return make
+    return targets.load(target, "model.target", ARGUMENTS)
 
 
 def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes: int) -> list[int]:
@@ -140,11 +120,11 @@ def check_output(model: nn.Module, target: str, in_channels: int, num_classes: i
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = model(torch.zeros(2, in_channels, IMAGE_SIZE, IMAGE_SIZE))
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
-        raise ModelError(f"model.target={target!r}: its forward fails on a batch of shape "
+        raise TargetError(f"model.target={target!r}: its forward fails on a batch of shape "
                          f"(2, {in_channels}, {IMAGE_SIZE}, {IMAGE_SIZE}): {type(e).__name__}: {e}") from None
     finally:
         model.train(was_training)
     shape = tuple(getattr(out, "shape", ()))
     if shape != (2, num_classes):
-        raise ModelError(f"model.target={target!r}: a batch of 2 images gave output of shape {shape or type(out)}; "
+        raise TargetError(f"model.target={target!r}: a batch of 2 images gave output of shape {shape or type(out)}; "
                          f"expected (2, {num_classes}) logits")

@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from gaexp import targets
+from gaexp.config import CustomNormConfig, NormConfig
 from gaexp.data import Split, to_input
 from gaexp.hooks import Hook
 
@@ -198,6 +200,23 @@ def check_channels(options: dict, channels: Iterable[int], model: str) -> None:
                          f"valid: {valid}")
 
 
+def check_layer(norm: NormConfig, channels: Iterable[int]) -> None:
+    """A norm file's callable (`norm.target`) must build a module for each channel count the model asks for."""
+    if not isinstance(norm, CustomNormConfig):
+        return
+    make = layer_of(norm)
+    for c in sorted(set(channels)):
+        try:
+            with torch.random.fork_rng(devices=[]):
+                built = make(c)
+        except Exception as e:  # noqa: BLE001 - whatever the user's layer raises, in one line
+            raise targets.TargetError(f"norm.target={norm.target!r}: building it for {c} channels with "
+                                      f"{norm.params} fails: {type(e).__name__}: {e}") from None
+        if not isinstance(built, nn.Module):
+            raise targets.TargetError(f"norm.target={norm.target!r}: returned {type(built).__name__} for {c} "
+                                      "channels; expected a torch.nn.Module")
+
+
 def norm2d(name: str, channels: int, **options: int) -> nn.Module:
     """The normalization layer `name` for `channels` channels (options such as `groups` for gn)."""
     try:
@@ -210,3 +229,11 @@ def norm2d(name: str, channels: int, **options: int) -> nn.Module:
 def layer(name: str, **options: Any) -> Callable[[int], nn.Module]:
     """What a model builder takes as `norm_layer`: channels -> the norm `name` with its options."""
     return functools.partial(norm2d, name, **options)
+
+
+def layer_of(norm: NormConfig) -> Callable[[int], nn.Module]:
+    """The `norm_layer` of a cell's norm config: the registry's layer, or a norm file's own callable
+    (`target`, with its `params`)."""
+    if isinstance(norm, CustomNormConfig):
+        return functools.partial(targets.load(norm.target, "norm.target", positional=1), **norm.params)
+    return layer(norm.name, **norm.options())

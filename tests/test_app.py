@@ -82,6 +82,49 @@ def test_a_fashion_mnist_cell_is_its_own_run_tagged_with_its_data(tmp_path, comp
     assert (accuracy * 32) == round(accuracy * 32)  # evaluated on its 32 test images, not MNIST's 10,000
 
 
+NORM_FILE = """
+# InstanceNorm that keeps running statistics and evaluates with them: a norm in one file, no code of its own
+defaults:
+  - /schema/norm/custom@_here_
+  - _self_
+name: in_running
+target: torch.nn:InstanceNorm2d
+params: {affine: true, track_running_stats: true}
+"""
+
+MODEL_FILE = """
+from torch import nn
+
+
+def build(norm_layer, in_channels, num_classes):
+    return nn.Sequential(nn.Conv2d(in_channels, 8, 3, stride=2), norm_layer(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, num_classes))
+"""
+
+
+def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell(tmp_path, compose, monkeypatch):
+    (tmp_path / "mine" / "norm").mkdir(parents=True)
+    (tmp_path / "mine" / "norm" / "in_running.yaml").write_text(NORM_FILE)
+    (tmp_path / "tiny_nets.py").write_text(MODEL_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = prepared(compose(*TINY, f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "norm=in_running", "model=custom",
+                           "model.target=tiny_nets:build", "model.name=tiny", "regime=bs4a4", "train.num_iterations=3",
+                           outputs=tmp_path / "out"))
+    accuracy = run_cell(cfg, sweep_id="s1")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+    assert run.info.run_name == "tiny-in_running-bs4a4-s1" and run.data.metrics["final_valid_acc"] == accuracy
+    assert (run.data.tags["model"], run.data.tags["norm"]) == ("tiny", "in_running")
+    assert run.data.params["norm.target"] == "torch.nn:InstanceNorm2d" and run.data.params["model.target"] == "tiny_nets:build"
+    norm = app.make_model(app.typed(cfg))[1]
+    assert type(norm) is torch.nn.InstanceNorm2d and norm.affine and norm.track_running_stats
+    bad = compose(*TINY, f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "norm=in_running", "+norm.params.nope=1",
+                  outputs=tmp_path / "out")
+    with pytest.raises(ValueError, match=r"^norm.target='torch.nn:InstanceNorm2d': building it for 32 channels with "
+                                         r"\{.*'nope': 1\} fails: TypeError: "):
+        app.check(bad)
+
+
 def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_ones(tmp_path, compose, monkeypatch):
     """The wiring from data.holdout to the loop: what `train` receives, and what the run records. Images are
     numbered (tests: 255 - j), so each split says which images it holds."""

@@ -109,6 +109,20 @@ def test_the_data_group_names_the_dataset_in_tags_and_names(compose):
     assert typed(compose("norm=gn4", "regime=bs1a16", "seed=3")).run_name == "gn4-bs1a16-s3"
 
 
+def test_the_model_group_names_the_model_in_names_and_leads_after_the_dataset(compose):
+    c = typed(compose("model=resnet20", "norm=gn4", "regime=bs1a16", "seed=3"))
+    assert (c.model.name, c.model.target, c.model.cost) == ("resnet20", "gaexp.model:ResNet20", 2.5)
+    assert c.run_name == "resnet20-gn4-bs1a16-s3"
+    assert typed(compose("model=resnet20", "data=fashion_mnist", "norm=gn4")).run_name == "fashion_mnist-resnet20-gn4-bs16a1-s1"
+    assert typed(compose("model=custom", "model.target=m:f", "model.name=mynet")).run_name == "mynet-bn-bs16a1-s1"
+    with pytest.raises(ValueError, match=r"^model.target has no value; set it on the command line \(model.target=...\): "
+                                         r"module:callable taking norm_layer, in_channels, num_classes"):
+        typed(compose("model=custom"))  # never the simple model's default in its place
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("model=resnet")
+    assert all(name in str(info.value) for name in ("resnet", "custom", "resnet20", "simple"))
+
+
 def test_unknown_norm_is_rejected_with_the_choices(compose):
     with pytest.raises(ConfigCompositionException) as info:
         compose("norm=batchnorm")
@@ -151,7 +165,7 @@ RANGE_ERRORS = {
     "stats samples": (["norm=bn_precise", "norm.stats_samples=0"], r"norm.stats_samples=0; valid: an integer >= 1"),
     "reference": (["analysis.reference=bs1a1"], r"analysis.reference='bs1a1'; valid: one of analysis.table_columns"),
     "key forced in": (["norm=bn", "+norm.groups=4"], r"norm.groups is not a key of norm=bn; valid: name$"),
-    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: norm, regime, seed, device, device_type, deterministic, train, "),
+    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: model, norm, regime, seed, device, device_type, deterministic, train, "),
     "nested key forced in": (["+train.learning_rate=0.1"], r"train.learning_rate is not a key of train; valid: "
                                                             r"num_iterations, eval_period, lr, loss_window, eval_batch_size"),
 }
@@ -179,7 +193,7 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
-    assert PROTOCOL_COLUMNS == ["device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
+    assert PROTOCOL_COLUMNS == ["model.name", "model.target", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "data.dataset", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     assert list(excluded) == ["launch", "experiment", *runtime]
@@ -194,6 +208,9 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
                                      resolve=True)
     assert protocol_part(fashion)["data"] == {"dataset": "fashion_mnist"}  # mnist, the first dataset: left out
     assert tracking.protocol_key(fashion) != tracking.protocol_key(resolved)
+    resnet = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "model=resnet20"), resolve=True)
+    assert protocol_part(resnet)["model"] == {"name": "resnet20", "target": "gaexp.model:ResNet20"}  # cost: runtime
+    assert tracking.protocol_key(resnet) != tracking.protocol_key(resolved)
 
 
 PROTOCOL_KEY_GN4_BS4A4 = "0a648bac67732a7c"  # tag protocol_key of gn4-bs4a4-s1, 40 steps, recorded by d106f35
@@ -236,7 +253,7 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["config", "data", "hooks", "norms", "model", "memory", "train", "tracking", "progress", "tuning", "analysis",
+LAYERS = ["config", "targets", "data", "hooks", "norms", "model", "memory", "train", "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
           "bench", "app", "__main__"]
 

@@ -4,9 +4,16 @@ import pytest
 import torch
 from torch import nn
 
+import re
+
+import torch.nn.functional as F
+from torchvision.models.resnet import BasicBlock
+
+from gaexp.app import check, make_model
 from gaexp.config import typed
-from gaexp.model import SimpleModel
-from gaexp.norms import layer, NORMS, norm2d
+from gaexp.model import ResNet20, SimpleModel, load, norm_channels
+from gaexp.targets import TargetError
+from gaexp.norms import NORMS, check_channels, layer, norm2d
 
 
 def test_registry_keeps_the_study_defaults():
@@ -26,11 +33,99 @@ def test_unknown_norm_lists_valid_names():
         norm2d("layernorm", 32)
 
 
-def test_group_count_must_divide_every_layer():
-    with pytest.raises(ValueError, match=r"norm.groups=5 does not divide the channels \[32, 64, 128, 256\]; "
-                                         r"valid: \[1, 2, 4, 8, 16, 32\]"):
-        SimpleModel(layer("gn", groups=5))
-    assert SimpleModel(layer("gn", groups=32)).features[1].num_groups == 32
+@pytest.mark.parametrize("model, channels, valid", [
+    (SimpleModel, [32, 64, 128, 256], [1, 2, 4, 8, 16, 32]), (ResNet20, [16, 32, 64], [1, 2, 4, 8, 16])])
+def test_group_count_must_divide_every_norm_layer_of_the_model(model, channels, valid):
+    found = norm_channels(model, 1, 10)
+    assert sorted(set(found)) == channels
+    with pytest.raises(ValueError, match=rf"^norm.groups=5 does not divide the channels {re.escape(str(channels))} "
+                                         rf"of model=m; valid: {re.escape(str(valid))}$"):
+        check_channels({"groups": 5}, found, "m")
+    check_channels({"groups": valid[-1]}, found, "m")
+    check_channels({}, found, "m")  # no groups: nothing to check
+
+
+def test_check_refuses_a_group_count_of_the_chosen_model_before_anything_runs(compose):
+    check(compose("model=simple", "norm=gn", "norm.groups=32"))
+    with pytest.raises(ValueError, match=r"norm.groups=32 does not divide the channels \[16, 32, 64\] of model=resnet20"):
+        check(compose("model=resnet20", "norm=gn", "norm.groups=32"))
+
+
+def test_resnet20_is_he_et_als_with_a_norm_after_every_convolution():
+    torch.manual_seed(0)
+    model = ResNet20(layer("bn"))
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(convs) == len(bns) == 19 and not any(c.bias is not None for c in convs)
+    assert [c.out_channels for c in convs] == [16] * 7 + [32] * 6 + [64] * 6
+    assert sum(isinstance(m, BasicBlock) for m in model.modules()) == 9
+    conv_params = 9 * (1 * 16 + 6 * 16 * 16 + 16 * 32 + 5 * 32 * 32 + 32 * 64 + 5 * 64 * 64)
+    assert sum(p.numel() for p in model.parameters()) == conv_params + 2 * (7 * 16 + 6 * 32 + 6 * 64) + 64 * 10 + 10
+    sizes = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[1:])))
+    assert model(torch.rand(2, 1, 28, 28)).shape == (2, 10)
+    assert sizes == [(16, 28, 28)] * 3 + [(32, 14, 14)] * 3 + [(64, 7, 7)] * 3  # no stage at 1x1
+    shortcut = model.blocks[3].downsample  # the parameter-free shortcut: every other pixel, zero channels added
+    x = torch.rand(1, 16, 28, 28)
+    y = shortcut(x)
+    assert y.shape == (1, 32, 14, 14) and torch.equal(y[:, 8:24], x[:, :, ::2, ::2]) and not y[:, :8].any()
+
+
+def test_every_norm_trains_in_resnet20_at_micro_batch_1(compose):
+    for norm in NORMS:
+        c = typed(compose("model=resnet20", f"norm={norm}", "regime=bs1a16"))
+        model = make_model(c)
+        F.cross_entropy(model(torch.rand(1, 1, 28, 28)), torch.tensor([3])).backward()  # BatchNorm needs 2 values
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad), norm
+        assert model.eval()(torch.rand(3, 1, 28, 28)).shape == (3, 10), norm
+
+
+GOOD = """
+import torch
+from torch import nn
+def build(norm_layer, in_channels, num_classes):
+    return nn.Sequential(nn.Conv2d(in_channels, 8, 3), norm_layer(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, num_classes))
+def positional(a, b, c):
+    return build(a, b, c)
+def wrong_output(norm_layer, in_channels, num_classes):
+    return nn.Sequential(nn.Conv2d(in_channels, 8, 3), norm_layer(8), nn.Flatten())
+def fails(norm_layer, in_channels, num_classes):
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
+"""
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    (tmp_path / "user_nets.py").write_text(GOOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_nets"
+
+
+def test_a_users_model_loads_by_import_path(user_models, compose):
+    assert load(f"{user_models}:build") is load(f"{user_models}.build")  # both spellings
+    c = check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=4"))
+    assert c.run_name == "custom-gn-bs16a1-s1" and make_model(c)[1].num_groups == 4
+    with pytest.raises(ValueError, match=r"norm.groups=3 does not divide the channels \[8\] of model=custom"):
+        check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=3"))
+
+
+@pytest.mark.parametrize("target, message", [
+    ("nomodule_here:build", r"^model.target='nomodule_here:build': cannot import 'nomodule_here' \(No module named"),
+    ("user_nets:absent", r"^model.target='user_nets:absent': user_nets has no callable 'absent'$"),
+    ("user_nets", r"^model.target='user_nets'; valid: an import path module:callable, e.g. mypkg.nets:build$"),
+    ("user_nets:positional", r"^model.target='user_nets:positional': positional\(a, b, c\) must take "
+                             r"norm_layer=, in_channels=, num_classes=$"),
+    ("user_nets:wrong_output", r"^model.target='user_nets:wrong_output': a batch of 2 images gave output of shape "
+                               r"\(2, 5408\); expected \(2, 10\) logits$"),
+    ("user_nets:fails", r"^model.target='user_nets:fails': its forward fails on a batch of shape \(2, 1, 28, 28\): "
+                        r"RuntimeError: "),
+])
+def test_a_bad_model_is_one_line_naming_what_was_expected(user_models, compose, target, message):
+    with pytest.raises(TargetError, match=message) as info:
+        check(compose("model=custom", f"model.target={target}"))
+    assert "\n" not in str(info.value)
 
 
 def test_simple_model_shapes_and_size():

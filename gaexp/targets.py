@@ -1,0 +1,40 @@
+"""Import paths in the config (`model.target`, `norm.target`) resolved to callables, refused in one line.
+
+A target is `module:callable` (or `module.callable`); the callable must accept the keyword arguments gaexp
+calls it with. Nothing is imported until a config names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, Sequence
+
+
+class TargetError(ValueError):
+    """A target that cannot be imported or called as gaexp calls it: one line naming what was expected."""
+
+
+def load(target: str, key: str, keywords: Sequence[str] = (), positional: int = 0) -> Callable[..., Any]:
+    """The callable `target` names, as the config key `key` (e.g. model.target) gave it; it must accept
+    `positional` positional arguments, then `keywords` by keyword."""
+    module_name, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
+    if not module_name or not attr:
+        raise TargetError(f"{key}={target!r}; valid: an import path module:callable, e.g. mypkg.nets:build")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TargetError(f"{key}={target!r}: cannot import {module_name!r} ({e})") from None
+    made = getattr(module, attr, None)
+    if not callable(made):
+        raise TargetError(f"{key}={target!r}: {module_name} has no callable {attr!r}")
+    try:
+        signature = inspect.signature(made)
+    except ValueError:  # a builtin without a signature: the call itself will tell
+        return made
+    try:
+        signature.bind(*([None] * positional), **{name: None for name in keywords})
+    except TypeError:
+        wanted = ", ".join([*(["a positional argument"] * bool(positional)), *(f"{k}=" for k in keywords)])
+        raise TargetError(f"{key}={target!r}: {attr}{signature} must take {wanted}") from None
+    return made
