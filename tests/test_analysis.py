@@ -26,17 +26,20 @@ HISTORIES = {
 
 
 def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
-            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None):
-    """A run as gaexp records it; without `dataset`, as runs were recorded before datasets were a choice."""
+            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None, model=None):
+    """A run as gaexp records it; without `dataset` or `model`, as runs were recorded before these were a choice."""
     b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
     tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
     if dataset:
         tags["dataset"] = dataset
-    name = f"{dataset + '-' if dataset else ''}{norm}-{regime}-s{seed}"
+    if model:
+        tags["model"] = model
+    name = f"{dataset + '-' if dataset else ''}{model + '-' if model else ''}{norm}-{regime}-s{seed}"
     run_id = client.create_run(experiment_id, run_name=name, tags={k_: str(v) for k_, v in tags.items()}).info.run_id
     tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
                                                    "lr": lr, "loss_window": 100},
-                                         **({"data": {"dataset": dataset}} if dataset else {})})
+                                         **({"data": {"dataset": dataset}} if dataset else {}),
+                                         **({"model": {"name": model, "target": f"nets:{model}"}} if model else {})})
     for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
         tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
     for key, value in (summary or {}).items():
@@ -141,10 +144,10 @@ def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
 
 def test_studies_are_config_files():
     assert load_study("spec") == STUDY
-    assert load_study("tune_lr").per_cell == ["lr"]
+    assert load_study("tune_lr").per_cell == ["lr"] and load_study("spec_resnet20").window_start == 200
     fixes = load_study("bn_fixes")
     assert fixes.norm_order[:4] == ["bn", "in", "ln", "in_affine"] and fixes.baselines == STUDY.baselines
-    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'spec', 'tune_lr'\]"):
+    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'spec', 'spec_resnet20', 'tune_lr'\]"):
         load_study("nope")
 
 
@@ -202,8 +205,8 @@ def test_datasets_never_pool_and_one_is_selected(store, tmp_path, capsys):
                                             r"there: \['fashion_mnist', 'mnist'\]"):
         collect(client, "gaexp", dataset="cifar10")
 
-    made = analysis.report_each_dataset(uri, "gaexp", "sweep-a", STUDY, tmp_path / "r")  # the end of a sweep
-    assert [(name, written[0]) for name, _, written in made] == [
+    made = analysis.report_each_part(uri, "gaexp", "sweep-a", STUDY, tmp_path / "r")  # the end of a sweep
+    assert [(name, written[0]) for _, name, _, written in made] == [
         ("fashion_mnist", tmp_path / "r" / "fashion_mnist" / "table.md"), ("mnist", tmp_path / "r" / "mnist" / "table.md")]
     assert (tmp_path / "r" / "fashion_mnist" / "table.md").read_text().startswith("fashion_mnist: mean valid accuracy")
     assert "fashion_mnist-in-bs1a16-s1 (FAILED)" in (tmp_path / "r" / "fashion_mnist" / "table.md").read_text()
@@ -212,6 +215,32 @@ def test_datasets_never_pool_and_one_is_selected(store, tmp_path, capsys):
     analysis.main(["--tracking-uri", uri, "--dataset", "fashion_mnist", "--out", str(tmp_path / "cli")])
     assert capsys.readouterr().out.startswith("sweep: sweep-a  dataset: fashion_mnist  runs: 12 finished, 1 excluded")
     with pytest.raises(SystemExit, match=r"error: runs of 2 datasets .*--dataset"):
+        analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "cli")])
+
+
+def test_models_never_pool_one_report_each_and_one_is_selected(store, tmp_path, capsys):
+    client, experiment_id, uri = store
+    for (norm, regime, seed), accs in HISTORIES.items():  # the same cells on resnet20, 0.05 higher
+        add_run(client, experiment_id, norm, regime, seed, [a + 0.05 for a in accs], model="resnet20")
+    with pytest.raises(AnalysisError, match=r"^runs of 2 models \(resnet20, simple\) never pool; choose one with --model$"):
+        summarize(collect(client, "gaexp").data, STUDY)
+    simple = summarize(collect(client, "gaexp", model="simple").data, STUDY)  # runs recorded before: simple
+    resnet = summarize(collect(client, "gaexp", model="resnet20").data, STUDY)
+    assert np.allclose(resnet.table.values, simple.table.values + 0.05, equal_nan=True)
+    assert (simple.label, resnet.label) == ("mnist", "mnist, resnet20")
+    with pytest.raises(AnalysisError, match=r"--model 'vgg': no such runs in sweep 'sweep-a'; there: \['resnet20', 'simple'\]"):
+        collect(client, "gaexp", model="vgg")
+
+    made = analysis.report_each_part(uri, "gaexp", "sweep-a", STUDY, tmp_path / "r")
+    assert [(part, name, written[0]) for part, name, _, written in made] == [
+        ({"dataset": "mnist", "model": "resnet20"}, "resnet20", tmp_path / "r" / "resnet20" / "table.md"),
+        ({"dataset": "mnist", "model": "simple"}, "simple", tmp_path / "r" / "simple" / "table.md")]
+    assert (tmp_path / "r" / "resnet20" / "table.md").read_text().startswith("mnist, resnet20: mean valid accuracy")
+    assert (tmp_path / "r" / "simple" / "table.md").read_text().startswith("mnist: mean valid accuracy")
+
+    analysis.main(["--tracking-uri", uri, "--model", "resnet20", "--out", str(tmp_path / "cli")])
+    assert capsys.readouterr().out.startswith("sweep: sweep-a  dataset: mnist  model: resnet20  runs: 12 finished")
+    with pytest.raises(SystemExit, match=r"error: runs of 2 models .*--model"):
         analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "cli")])
 
 
