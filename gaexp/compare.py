@@ -2,7 +2,8 @@
 
 `python -m gaexp.compare STORE_A STORE_B` pairs the training runs by name and compares their
 `valid_acc` and `train_loss` histories, every metric but time and memory, and every tag but
-those naming the sweep, host, process and heartbeat. It prints each difference and exits 1 if any.
+those naming the sweep, host, process and heartbeat (a tag added since, such as `model`, matches a run without it
+when it has the value that run implicitly had). It prints each difference and exits 1 if any.
 Params are listed apart: a change may add config keys without changing a result.
 """
 
@@ -14,10 +15,20 @@ from typing import Sequence
 
 from mlflow.tracking import MlflowClient
 
-from gaexp.analysis import training_runs
+from gaexp.analysis import PARTS, training_runs
+from gaexp.config import ADDED_DEFAULTS
 
 MEASURED = {"wall_seconds", "samples_per_sec", "peak_rss_mb", "cuda_max_mem_mb"}  # vary run to run
 PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat"}  # where and when, not what
+ADDED_TAGS = {tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()}  # tags runs recorded before them lack: this value
+
+
+def same_tag(name: str, left: str | None, right: str | None) -> bool:
+    """Equal, or one run predates the tag and the other has the value that run implicitly had (model: simple)."""
+    if left == right:
+        return True
+    added = ADDED_TAGS.get(name)
+    return added is not None and {left, right} == {None, str(added)}
 
 
 def differences(client_a: MlflowClient, client_b: MlflowClient, experiment: str = "gaexp") -> tuple[list[str], list[str]]:
@@ -40,7 +51,8 @@ def differences(client_a: MlflowClient, client_b: MlflowClient, experiment: str 
                                               if k not in PLACE_TAGS and not k.startswith("mlflow.")})):
             left, right = keep(a), keep(b)
             found += [f"{name}: {kind} {k}: {left.get(k)!r} != {right.get(k)!r}"
-                      for k in sorted(set(left) | set(right)) if left.get(k) != right.get(k)]
+                      for k in sorted(set(left) | set(right))
+                      if (left.get(k) != right.get(k) if kind == "metric" else not same_tag(k, left.get(k), right.get(k)))]
         params += [f"{name}: param {k}: {a.data.params.get(k)!r} -> {b.data.params.get(k)!r}"
                    for k in sorted(set(a.data.params) | set(b.data.params)) if a.data.params.get(k) != b.data.params.get(k)]
     return found, params
