@@ -46,7 +46,7 @@ test-fast: setup-test data   ## the edit loop: everything but the slow tests (su
 	$(PYTHON) -m pytest -q -m "not slow"
 
 docs: setup   ## regenerate the config key tables in docs/usage.md from the schema (gaexp/config.py)
-	$(PYTHON) -c "from gaexp.config import write_docs_table; write_docs_table('docs/usage.md')"
+	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/usage.md')"
 
 ui:           ## browse every run: prints each experiment's link to its runs table, then starts the MLflow UI
 	$(PYTHON) -m gaexp.ui --store sqlite:///$(CURDIR)/outputs/mlflow.db --host 127.0.0.1 --port $(PORT)

@@ -24,8 +24,10 @@ import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
-from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, require, typed, usable_cores
-from gaexp.data import IN_CHANNELS, NUM_CLASSES, Split, check_num_train, ensure_data, holdout_split, load_split, raw_dir, to_input
+from gaexp.batches import IN_CHANNELS, NUM_CLASSES, Split, holdout_split, load_split, to_input
+from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, require, typed
+from gaexp.data import check_num_train, ensure_data, raw_dir
+from gaexp.machine import usable_cores
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp import model as models

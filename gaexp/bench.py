@@ -29,9 +29,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import ToTensor
 
+from gaexp.batches import IN_CHANNELS, NUM_CLASSES, Split, load_split, micro_batch_indices
 from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, regime_name
-from gaexp.data import (IN_CHANNELS, NUM_CLASSES, DataError, Split, data_config, datasets, ensure_data, load_split, micro_batch_indices,
-                        torchvision_class)
+from gaexp.data import DataError, data_config, datasets, ensure_data, torchvision_class
 from gaexp.model import load
 from gaexp.norms import norm2d
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device

@@ -1,6 +1,7 @@
 """The typed schema of a gaexp run, registered in Hydra's ConfigStore, and the resolvers conf/ uses.
 
-The bottom layer: it imports nothing else of gaexp. The YAML files in conf/ extend these
+Near the bottom layer: of gaexp it imports only gaexp/machine.py (the CPUs and device its resolvers
+report); the docs tables generated from it are gaexp/configdocs.py's. The YAML files in conf/ extend these
 dataclasses, so OmegaConf checks types, required and unknown keys when Hydra composes; each
 key's range is declared beside it (`valid=`) and checked by `__post_init__`, which runs when
 `typed(cfg)` turns the composed config into objects, before anything is recorded.
@@ -14,13 +15,14 @@ resume matches (`protocol_part`), the keys Hydra leaves out of sweep folder name
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from gaexp.machine import device_type, usable_cores
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repository's conf/ (editable install)
 AXES = ("norm", "regime", "seed")  # the study's grid axes: tags and table dimensions, not pooled over
@@ -435,89 +437,7 @@ def resolved_value(tree: Mapping[str, Any], dotted: str) -> Any:
     return tree
 
 
-def _yaml_value(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ", ".join(map(_yaml_value, value)) + "]"
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    return str(value)
-
-
-def markdown_table() -> str:
-    """docs/usage.md's tables of keys and of norm options, generated from the schema (`make docs`)."""
-    def row(name: str, f: Any, kind: str) -> str:
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        shown = "from the group" if default == MISSING else _yaml_value(default)
-        valid = f.metadata["valid"][1] if f.metadata.get("valid") else ""
-        return f"| `{name}` | `{shown}` | {kind} | {valid} | {f.metadata['help']} |"
-
-    rows = ["| key | default | kind | valid | meaning |", "|---|---|---|---|---|"]
-    rows += [row(name, f, "runtime" if is_runtime else "protocol") for name, f, is_runtime in schema_leaves(Config)]
-    rows += ["", "Options of the norms that have some (protocol keys; `${...}` values follow the regime):", "",
-             "| key | default | norm | valid | meaning |", "|---|---|---|---|---|"]
-    for kind, schema in NORM_SCHEMAS.items():
-        rows += [row(f"norm.{name}", f, f"`{kind}`") for name, f, _ in schema_leaves(schema) if name != "name"]
-    return "\n".join(rows)
-
-
-DOCS_MARKERS = ("<!-- config-keys:begin -->\n", "\n<!-- config-keys:end -->")
-
-
-def write_docs_table(path: str) -> None:
-    """Replace the table between DOCS_MARKERS in `path` by `markdown_table()`."""
-    text = Path(path).read_text()
-    begin, end = text.index(DOCS_MARKERS[0]) + len(DOCS_MARKERS[0]), text.index(DOCS_MARKERS[1])
-    Path(path).write_text(text[:begin] + markdown_table() + text[end:])
-
-
 # --- registration ---------------------------------------------------------------------------------
-
-CGROUP = Path("/sys/fs/cgroup")  # where a container's CPU quota is read (cgroup v2, else v1's cpu/ controller)
-
-
-def cgroup_cpus(root: Optional[Path] = None) -> Optional[int]:
-    """CPUs a cgroup quota grants this process (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`),
-    rounded up; None without a quota. A container limited to 2 CPUs on a 64-core host sees 64 in its
-    affinity mask and only this says 2."""
-    root = root or CGROUP
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]  # v2: "max 100000", or "200000 100000"
-    except (OSError, ValueError):
-        try:  # v1: a quota of -1 means none
-            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text()
-            period = (root / "cpu" / "cpu.cfs_period_us").read_text()
-        except OSError:
-            return None
-    try:
-        quota_us, period_us = int(quota), int(period)
-    except ValueError:  # "max": no quota
-        return None
-    return math.ceil(quota_us / period_us) if quota_us > 0 and period_us > 0 else None
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on: its affinity mask (what taskset, or SLURM's task/affinity and cgroup
-    plugins, grant), at most its container's CPU quota (`cgroup_cpus`), and in a SLURM task at most its
-    SLURM_CPUS_PER_TASK (clusters that do not bind CPUs)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    limits = [cores, cgroup_cpus() or cores]
-    granted = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    if granted.isdigit() and int(granted) > 0:
-        limits.append(int(granted))
-    return max(1, min(limits))
-
-
-def device_type(device: str) -> str:
-    """`${gaexp.device_type:${device}}`: what `device` means where the run runs (auto: cuda when torch sees one)."""
-    if device != "auto":
-        return device
-    import torch  # only when a config is resolved for a run: the schema itself never needs torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 def register() -> None:
     """The schema in Hydra's ConfigStore (`gaexp_schema`, and `schema/norm/<kind>` for the norm files),

@@ -17,7 +17,7 @@ from torch import nn
 
 from gaexp import targets
 from gaexp.config import CustomNormConfig, NormConfig
-from gaexp.data import Split, to_input
+from gaexp.batches import Split, to_input
 from gaexp.hooks import Hook
 
 

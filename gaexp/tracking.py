@@ -2,6 +2,7 @@
 
 Everything goes through an explicit `MlflowClient(tracking_uri)`: no
 process-wide tracking URI or active-run stack.
+Whether a run's process or SLURM job still runs is asked of gaexp/liveness.py.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import tempfile
 import time
 import traceback
@@ -28,8 +27,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 
+from gaexp import liveness
+from gaexp.batches import HOLDOUT_SEED
 from gaexp.config import protocol_part
-from gaexp.data import HOLDOUT_SEED
 from gaexp.hooks import EvalPoint, Hook, Stopped
 
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
@@ -37,9 +37,8 @@ if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logge
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
-PROCESS_START = "gaexp.process_start"  # with the pid in HOST: the one process that ran the run (tracking.process_start)
+PROCESS_START = "gaexp.process_start"  # with the pid in HOST: the one process that ran the run (liveness.process_start)
 SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK, what scancel and sacct take)
-SLURM_LIVE = ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING")
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
 # MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI overview (traces)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
@@ -133,53 +132,6 @@ def add_to_sweep(client: MlflowClient, run: Run, sweep_id: str) -> None:
         client.set_tag(run.info.run_id, SWEEPS, ",".join([*sweeps, sweep_id]))
 
 
-def process_start(pid: int) -> str | None:
-    """When process `pid` started, in clock ticks since boot (/proc/PID/stat, field 22): with the pid, it names
-    one process for good, as a pid alone does not once the system reuses it. None without such a process, or
-    without /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]  # the fields after the command name start at field 3
-
-
-def process_alive(pid: int, started: str | None = None) -> bool:
-    """Whether process `pid` still runs; given when it `started` (`process_start`, recorded with the run),
-    whether it is still that process: a pid given to a new process since counts as gone."""
-    if started is not None and (now := process_start(pid)) is not None:
-        return now == started
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def slurm_job(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The SLURM job this process runs in (`JOB_TASK` for a task of an array), or None outside SLURM."""
-    if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
-        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-    return environ.get("SLURM_JOB_ID")
-
-
-def slurm_job_end(job: str) -> str | None:
-    """How a SLURM job ended (CANCELLED, FAILED, TIMEOUT, NODE_FAIL, ...) as the cluster's accounting tells
-    it; None while it is queued or running, or where `sacct` is missing or does not know the job."""
-    sacct = shutil.which("sacct")
-    if sacct is None:
-        return None
-    try:
-        proc = subprocess.run([sacct, "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    states = proc.stdout.split("\n")[0].split() if proc.returncode == 0 else []  # e.g. "CANCELLED by 0"
-    return states[0] if states and states[0] not in SLURM_LIVE else None
-
-
 def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: float,
                     now: float | None = None) -> list[str]:
     """Mark RUNNING runs whose process is gone KILLED, so nobody reads them as results.
@@ -194,10 +146,11 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
         tags = run.data.tags
         host, _, pid = tags.get(HOST, ":").rpartition(":")
         beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
-        ended = slurm_job_end(tags[SLURM_JOB]) if SLURM_JOB in tags else None
+        ended = liveness.slurm_job_end(tags[SLURM_JOB]) if SLURM_JOB in tags else None
         if ended:
             reason = f"SLURM job {tags[SLURM_JOB]} ended {ended}"
-        elif host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid), tags.get(PROCESS_START)):
+        elif (host == socket.gethostname() and pid.isdigit()
+              and not liveness.process_alive(int(pid), tags.get(PROCESS_START))):
             reason = f"process {pid} on {host} is gone"
         elif now - beat > stale_after_s:
             reason = f"no heartbeat for {now - beat:.0f} s"
@@ -215,9 +168,9 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
     """A run that always ends: FINISHED, KILLED on Ctrl-C or when stopped on purpose (hooks.Stopped, with
     the step as a tag), FAILED with the error as tags."""
     tags = {**tags, HOST: f"{socket.gethostname()}:{os.getpid()}", HEARTBEAT: f"{time.time():.0f}"}
-    if started := process_start(os.getpid()):
+    if started := liveness.process_start(os.getpid()):
         tags[PROCESS_START] = started
-    if job := slurm_job():
+    if job := liveness.slurm_job():
         tags[SLURM_JOB] = job
     run_id = client.create_run(experiment_id, run_name=run_name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id
@@ -294,7 +247,7 @@ def data_digest(md5s: Iterable[str], selection: str) -> str:
 def dataset_input(name: str, context: str, directory: Path, files: Mapping[str, str], num_samples: int,
                   selection: str) -> DatasetInput:
     """One dataset of a run: `files` (file name -> MD5) in `directory`, of which `selection` took `num_samples`
-    images: `all`, or `kept:`/`held:holdout=N:seed=S` (the two parts of gaexp.data.holdout_split)."""
+    images: `all`, or `kept:`/`held:holdout=N:seed=S` (the two parts of gaexp.batches.holdout_split)."""
     profile = {"num_samples": num_samples, "selection": selection, "files_md5": dict(sorted(files.items()))}
     dataset = Dataset(name=name, digest=data_digest(files.values(), selection), source_type="local",
                       source=json.dumps({"uri": Path(directory).resolve().as_uri()}), profile=json.dumps(profile))
@@ -306,7 +259,7 @@ def data_inputs(data_name: str, directory: Path, md5: Mapping[str, str], holdout
     """The run's training and validation datasets, named after the data (`data_name`, e.g. mnist) and its
     files (`md5`: IDX file name -> MD5, the train-* and t10k-* files). Without hold-out: `<data>-train` and
     `<data>-test`; with `holdout=N` both come from the training files: `<data>-train-minusN` (trained on)
-    and `<data>-holdoutN` (the N held-out images, gaexp.data.holdout_split)."""
+    and `<data>-holdoutN` (the N held-out images, gaexp.batches.holdout_split)."""
     train_files = {f: m for f, m in md5.items() if f.startswith("train-")}
     test_files = {f: m for f, m in md5.items() if f.startswith("t10k-")}
     if not train_files or not test_files:

@@ -13,8 +13,8 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from gaexp.batches import Split, micro_batch_indices, to_input
 from gaexp.config import COMPILE_CHOICES, RegimeConfig, TrainConfig
-from gaexp.data import Split, micro_batch_indices, to_input
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import COMPILED_TRAINING
 

@@ -21,9 +21,10 @@ from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, config
+from gaexp import analysis
+from gaexp.batches import Split, load_split
 from gaexp.config import CONFIG_DIR
-from gaexp.data import DataError, Split, data_config, ensure_data, load_split
+from gaexp.data import DataError, data_config, ensure_data
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
@@ -86,7 +87,7 @@ def machine(monkeypatch, tmp_path):
         cgroup = tmp_path / "cgroup"
         cgroup.mkdir(exist_ok=True)
         (cgroup / "cpu.max").write_text("max 100000\n" if quota is None else f"{int(quota * 100000)} 100000\n")
-        monkeypatch.setattr(config, "CGROUP", cgroup)
+        monkeypatch.setattr("gaexp.machine.CGROUP", cgroup)
         if slurm_cpus is None:
             monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
         else:

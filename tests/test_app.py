@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from gaexp import app, data, progress
+from gaexp import app, batches, data, progress
 from gaexp.app import prepare, run_cell, threads_for
 from tests.conftest import TINY
 
@@ -140,7 +140,7 @@ def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_one
     monkeypatch.setattr(app, "train", spy)
     cfg = prepared(compose(*cell, outputs=tmp_path))
     accuracy = run_cell(cfg, sweep_id="s")
-    kept, held = (i.tolist() for i in data.holdout_indices(64, 16))
+    kept, held = (i.tolist() for i in batches.holdout_indices(64, 16))
     assert seen["valid"] == held and seen["train"] == kept  # never the test images (numbered 224 and up)
     assert not set(seen["valid"]) & set(seen["train"]) and len(seen["valid"]) == 16
 

@@ -14,8 +14,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from gaexp import tracking
-from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, cgroup_cpus, markdown_table,
-                          protocol_part, regime_name, runtime_keys, typed, usable_cores)
+from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
+                          runtime_keys, typed)
+from gaexp.configdocs import markdown_table
+from gaexp.machine import cgroup_cpus, usable_cores
 from gaexp.model import SimpleModel
 from gaexp.norms import layer, NORMS, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 from gaexp.train import train
@@ -253,13 +255,14 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["config", "targets", "data", "hooks", "norms", "model", "memory", "train", "tracking", "progress", "tuning", "analysis",
+LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "train",
+          "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
           "bench", "app", "__main__"]
 
 
 def test_imports_point_down():
-    """Each module imports only gaexp modules below it (config at the bottom, the app at the top)."""
+    """Each module imports only gaexp modules below it (machine at the bottom, the app at the top)."""
     package = REPO / "gaexp"
     assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
     for module in LAYERS:

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torchvision.datasets import MNIST, FashionMNIST
 
-from gaexp import data
-from gaexp.data import DataError, data_config, ensure_data, micro_batch_indices, raw_dir, to_input, verify_raw
+from gaexp import batches, data
+from gaexp.batches import micro_batch_indices, to_input
+from gaexp.data import DataError, data_config, ensure_data, raw_dir, verify_raw
 
 MNIST_MD5 = data_config("mnist").files
 
@@ -159,13 +160,13 @@ def test_every_epoch_is_a_permutation_even_across_a_batch_boundary():
 
 
 def test_the_holdout_never_overlaps_the_images_trained_on(train_split):
-    kept_idx, held_idx = data.holdout_indices(60_000, 10_000)
+    kept_idx, held_idx = batches.holdout_indices(60_000, 10_000)
     assert (len(kept_idx), len(held_idx)) == (50_000, 10_000)
     assert not set(kept_idx.tolist()) & set(held_idx.tolist())
     assert sorted(kept_idx.tolist() + held_idx.tolist()) == list(range(60_000))
-    again_kept, again_held = data.holdout_indices(60_000, 10_000)  # fixed: the same images every run
+    again_kept, again_held = batches.holdout_indices(60_000, 10_000)  # fixed: the same images every run
     assert torch.equal(again_kept, kept_idx) and torch.equal(again_held, held_idx)
-    kept, held = data.holdout_split(train_split, 10_000)
+    kept, held = batches.holdout_split(train_split, 10_000)
     assert torch.equal(held.images, train_split.images[held_idx]) and torch.equal(kept.labels, train_split.labels[kept_idx])
     assert held.labels.bincount().min() > 800  # every class held out
 

@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 from submitit.core.utils import UncompletedJobError
 
-from gaexp import tracking
+from gaexp import liveness, tracking
 from gaexp.app import FAILED_MARKER
 from gaexp.config import CONFIG_DIR
 from hydra_plugins.gaexp_grid_sweeper.submitit_launcher import SlurmLauncher, wait_for_every
@@ -112,10 +112,10 @@ class FakeJob:
 
 @pytest.fixture
 def sacct(monkeypatch):
-    """The cluster's accounting as the launcher reads it (gaexp.tracking.slurm_job_end): {job: how it ended};
+    """The cluster's accounting as the launcher reads it (gaexp.liveness.slurm_job_end): {job: how it ended};
     a job not in it has not ended, or the accounting does not say yet."""
     ended: dict = {}
-    monkeypatch.setattr(tracking, "slurm_job_end", lambda job: ended.get(job))
+    monkeypatch.setattr(liveness, "slurm_job_end", lambda job: ended.get(job))
     return ended
 
 

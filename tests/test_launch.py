@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from gaexp.app import guess_cells_at_once, launcher_warnings, threads_for
-from gaexp.config import typed, usable_cores
+from gaexp.config import typed
+from gaexp.machine import usable_cores
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from gaexp.data import to_input
+from gaexp.batches import to_input
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
 from gaexp.norms import layer

@@ -15,7 +15,7 @@ from mlflow.entities import LoggedModelStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from gaexp import tracking
+from gaexp import liveness, tracking
 from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.data import data_config, raw_dir
 
@@ -101,7 +101,7 @@ def test_stale_running_runs_are_marked_killed(store):
     now = float(int(time.time()))  # whole seconds, as heartbeats are stored: the ages below are exact
     here, me = socket.gethostname(), os.getpid()
     with tracking.tracked_run(client, experiment_id, "alive", {}) as alive:
-        assert client.get_run(alive).data.tags[tracking.PROCESS_START] == tracking.process_start(me)
+        assert client.get_run(alive).data.tags[tracking.PROCESS_START] == liveness.process_start(me)
         reused = client.create_run(experiment_id, run_name="reused", tags={
             tracking.HOST: f"{here}:{me}", tracking.PROCESS_START: "1", tracking.HEARTBEAT: f"{now:.0f}"})
         older = client.create_run(experiment_id, run_name="older", tags={  # recorded before the start time was
@@ -121,11 +121,11 @@ def test_stale_running_runs_are_marked_killed(store):
 
 def test_a_process_is_known_by_its_pid_and_start_time():
     me = os.getpid()
-    started = tracking.process_start(me)
-    assert started.isdigit() and tracking.process_start(me) == started  # stable for the process's life
-    assert tracking.process_alive(me, started) and tracking.process_alive(me)
-    assert not tracking.process_alive(me, str(int(started) + 1))  # same pid, another process
-    assert tracking.process_start(2**22 + 1) is None and not tracking.process_alive(2**22 + 1)  # above pid_max
+    started = liveness.process_start(me)
+    assert started.isdigit() and liveness.process_start(me) == started  # stable for the process's life
+    assert liveness.process_alive(me, started) and liveness.process_alive(me)
+    assert not liveness.process_alive(me, str(int(started) + 1))  # same pid, another process
+    assert liveness.process_start(2**22 + 1) is None and not liveness.process_alive(2**22 + 1)  # above pid_max
 
 
 def fake_sacct(tmp_path, monkeypatch, states: dict[str, str]) -> None:
@@ -156,8 +156,8 @@ def test_runs_of_ended_slurm_jobs_are_marked_killed(store, monkeypatch):
 
 def test_a_run_in_a_slurm_job_is_tagged_with_it(store, monkeypatch):
     client, experiment_id, _ = store
-    assert tracking.slurm_job({"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "70_3"
-    assert tracking.slurm_job({"SLURM_JOB_ID": "77"}) == "77" and tracking.slurm_job({}) is None
+    assert liveness.slurm_job({"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "70_3"
+    assert liveness.slurm_job({"SLURM_JOB_ID": "77"}) == "77" and liveness.slurm_job({}) is None
     for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(name, raising=False)
     with tracking.tracked_run(client, experiment_id, "here", {}) as here:

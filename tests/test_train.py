@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from gaexp.batches import Split, micro_batch_indices, to_input
 from gaexp.config import RegimeConfig, TrainConfig
-from gaexp.data import Split, micro_batch_indices, to_input
 from gaexp.hooks import DivergedError, DivergenceCheck, EvalPoint, Hook, Progress
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import layer

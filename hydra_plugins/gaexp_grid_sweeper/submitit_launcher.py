@@ -46,7 +46,7 @@ def has_ended(job: Any) -> bool | None:
     """Whether a submitted task is over: True when it left a result or submitit saw it end (CANCELLED, TIMEOUT,
     ...), False while it is queued or running. None when submitit calls it ended in a state that goes on
     (SUSPENDED, RESIZING, CONFIGURING): submitit then stops asking, and only the cluster's accounting can say."""
-    from gaexp.tracking import SLURM_LIVE
+    from gaexp.liveness import SLURM_LIVE
 
     if job.paths.result_pickle.exists():
         return True
@@ -60,8 +60,8 @@ def wait_for_every(jobs: Sequence[Any], on_end: Callable[[int], None], poll_s: f
                    sacct_every_s: float = 30.0) -> None:
     """on_end(i) for each job as it ends, in the order they end, until every job has: one that ends without a
     result stops nothing, and is known at once, not after the jobs before it in the array. A suspended job is
-    waited for; sacct (gaexp.tracking.slurm_job_end) is asked every `sacct_every_s` whether it has ended since."""
-    from gaexp.tracking import slurm_job_end
+    waited for; sacct (gaexp.liveness.slurm_job_end) is asked every `sacct_every_s` whether it has ended since."""
+    from gaexp.liveness import slurm_job_end
 
     pending = list(range(len(jobs)))
     ask_at: Dict[int, float] = {}
@@ -105,7 +105,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from submitit.core.utils import UncompletedJobError
 
-        from gaexp.tracking import slurm_job_end
+        from gaexp.liveness import slurm_job_end
 
         jobs = self.submit(job_overrides, initial_job_idx)
         outcomes: List[Any] = [None] * len(jobs)

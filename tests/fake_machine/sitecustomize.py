@@ -1,7 +1,7 @@
 """A machine of another size, for the whole suite: `GAEXP_TEST_CPUS=64 make test` (and/or
 `GAEXP_TEST_CPU_QUOTA=2`, a container's cgroup quota). tests/conftest.py applies it to the test process
 and puts this folder first on PYTHONPATH, so every Python process the tests start (gaexp commands, their
-jobs) imports it as `sitecustomize` and sees the same machine through `gaexp.config.usable_cores`."""
+jobs) imports it as `sitecustomize` and sees the same machine through `gaexp.machine.usable_cores`."""
 
 import os
 import tempfile
@@ -16,9 +16,9 @@ def apply() -> None:
         folder = Path(os.environ.get("GAEXP_TEST_CGROUP") or tempfile.mkdtemp(prefix="gaexp-test-cgroup-"))
         (folder / "cpu.max").write_text(f"{int(quota) * 100000} 100000\n")  # cgroup v2: quota, period (us)
         os.environ["GAEXP_TEST_CGROUP"] = str(folder)
-        import gaexp.config  # light: hydra and omegaconf only
+        import gaexp.machine  # light: hydra and omegaconf only (gaexp's __init__ registers the schema)
 
-        gaexp.config.CGROUP = folder
+        gaexp.machine.CGROUP = folder
 
 
 apply()
