@@ -162,7 +162,7 @@ class ReportCallback(Callback):
             if isinstance(summary, analysis.AnalysisError):
                 options = " ".join(f"--{k} {v}" for k, v in part.items())
                 log.warning("no report for sweep %s on %s: %s (rerun: gaexp-report --sweep %s %s)",
-                            sweep_id, label, summary, sweep_id, options)
+                            sweep_id, ", ".join(part.values()), summary, sweep_id, options)
                 continue
             tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, **part}
             with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
