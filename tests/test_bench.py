@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from gaexp import bench
+from gaexp.model import ResNet20, SimpleModel
 
 
 def test_a_norms_grid_seconds_by_hand():
@@ -22,7 +24,7 @@ def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(d
     bench.main(["--norms", "bn,gn4,none", "--compile", "off", "--samples", "16", "--repeats", "1",
                 "--eval-images", "64", "--jobs", "2", "--data-root", str(data_root)])
     out = capsys.readouterr().out
-    assert out.startswith("inputs: norms bn,gn4,none; regimes bs1a1,bs1a16,bs4a4,bs16a1; device cpu, 1 thread(s); "
+    assert out.startswith("inputs: model simple; norms bn,gn4,none; regimes bs1a1,bs1a16,bs4a4,bs16a1; device cpu, 1 thread(s); "
                           "16 training samples and 64 test images per measurement, 1 repeats")
     for norm in ("bn", "gn4", "none"):
         table = out.split(f"\n{norm}: compile=off compiles nothing\n")[1]
@@ -47,10 +49,18 @@ def test_benchmark_times_the_compiled_side_beside_the_eager_one(data_root, capsy
     assert "Estimated grid" not in out  # it needs the four regimes
 
 
+def test_the_benchmark_builds_the_chosen_model_as_a_cell_does():
+    assert bench.models() == ["resnet20", "simple"]  # custom needs a target given on the command line
+    model = bench.build("resnet20", "gn4")
+    assert type(model) is ResNet20 and sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) == 19
+    assert type(bench.build("simple", "bn")) is SimpleModel
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--regimes", "bs1a1,big"], "--regimes: bad regime 'big'; valid: bs<b>a<k>, e.g. bs1a1, bs1a16"),
     (["--norms", "bn,gn"], "--norms: 'gn'; valid: bn, in, gn4, gn16, none, ln, in_affine"),
     (["--compile", "fast"], "argument --compile: invalid choice: 'fast' (choose from"),
+    (["--model", "custom"], "argument --model: invalid choice: 'custom' (choose from 'resnet20', 'simple')"),
 ])
 def test_bad_input_is_named_with_the_valid_choices(argv, message, capsys):
     with pytest.raises(SystemExit):
