@@ -159,8 +159,8 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
         assert all(torch.equal(a, b) for a, b in zip(bn.parameters(), model.parameters())), norm
         assert [p.train_loss for p in history] == [p.train_loss for p in bn_history], norm
     precise, _ = trained("bn_precise", stats_batch_size=4, stats_samples=64)
-    layer = next(m for m in precise.modules() if isinstance(m, PreciseBatchNorm2d))
-    assert not torch.allclose(layer.running_mean, next(m for m in bn.modules() if isinstance(m, nn.BatchNorm2d)).running_mean)
+    first = next(m for m in precise.modules() if isinstance(m, PreciseBatchNorm2d))
+    assert not torch.allclose(first.running_mean, next(m for m in bn.modules() if isinstance(m, nn.BatchNorm2d)).running_mean)
 
 
 def test_only_precise_bn_registers_a_hook(train_split):
