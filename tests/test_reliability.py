@@ -135,7 +135,13 @@ BAD = {
     "training images": (["data.num_train=50000"], ValueError,
                         r"data.num_train=50000; valid: 60000 \(the images in train-images-idx3-ubyte of data=mnist\)"),
     "groups": (["norm=gn", "norm.groups=3"], ValueError,
-               r"norm.groups=3 does not divide the channels \[32, 64, 128, 256\]; valid: \[1, 2, 4, 8, 16, 32\]"),
+               r"norm.groups=3 does not divide the channels \[32, 64, 128, 256\] of model=simple; "
+               r"valid: \[1, 2, 4, 8, 16, 32\]"),
+    "model": (["model=resnet"], Exception, r"Could not find 'model/resnet'(.|\n)*Available options in 'model':\n\tcustom\n\tresnet20\n\tsimple"),
+    "model target": (["model=custom", "model.target=mynets:build"], ValueError,
+                     r"model.target='mynets:build': cannot import 'mynets' \(No module named 'mynets'\)"),
+    "model groups": (["model=resnet20", "norm=gn", "norm.groups=32"], ValueError,
+                     r"norm.groups=32 does not divide the channels \[16, 32, 64\] of model=resnet20; valid: \[1, 2, 4, 8, 16\]"),
     "device type": (["device=cpu", "device_type=cuda"], ValueError,
                     r"device_type='cuda'; valid: cpu, what device=cpu is here \(leave device_type to the run\)"),
 }
@@ -203,7 +209,7 @@ def test_the_command_refuses_bad_input_in_one_line_and_records_nothing(tmp_path,
     swept = gaexp_command(tmp_path, "norm=gn", "norm.groups=8,3", "regime.batch_size=4")
     assert swept.returncode == 1
     assert swept.stderr.strip().splitlines()[-1] == ("error: cell norm.groups=3: norm.groups=3 does not divide the "
-                                                     "channels [32, 64, 128, 256]; valid: [1, 2, 4, 8, 16, 32]")
+                                                     "channels [32, 64, 128, 256] of model=simple; valid: [1, 2, 4, 8, 16, 32]")
     with sqlite3.connect(tmp_path / "mlflow.db") as con:  # not even the sweep's plan run
         assert con.execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
     assert not list((tmp_path / "multirun").glob("*/*/"))  # no job folder either
