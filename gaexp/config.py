@@ -248,7 +248,8 @@ class ModelConfig(Checked):
                     was="simple")  # what every run recorded before this key trained
     target: str = key(MISSING, "module:callable taking norm_layer, in_channels, num_classes (by keyword)",
                       was="gaexp.model:SimpleModel")
-    cost: float = key(1.0, "seconds per image relative to the simple CNN, for the sweep's plan and ETA",
+    cost: float = key(1.0, "a cell's seconds relative to the simple CNN's at the same protocol, for the sweep's "
+                           "plan and ETA",
                       runtime=True, valid=number(0, open_low=True))
 
 

@@ -113,7 +113,7 @@ def test_the_data_group_names_the_dataset_in_tags_and_names(compose):
 
 def test_the_model_group_names_the_model_in_names_and_leads_after_the_dataset(compose):
     c = typed(compose("model=resnet20", "norm=gn4", "regime=bs1a16", "seed=3"))
-    assert (c.model.name, c.model.target, c.model.cost) == ("resnet20", "gaexp.model:ResNet20", 2.5)
+    assert (c.model.name, c.model.target, c.model.cost) == ("resnet20", "gaexp.model:ResNet20", 6.0)
     assert c.run_name == "resnet20-gn4-bs1a16-s3"
     assert typed(compose("model=resnet20", "data=fashion_mnist", "norm=gn4")).run_name == "fashion_mnist-resnet20-gn4-bs16a1-s1"
     assert typed(compose("model=custom", "model.target=m:f", "model.name=mynet")).run_name == "mynet-bn-bs16a1-s1"
