@@ -62,7 +62,7 @@ def relative_differences(grads, reference):
 @pytest.mark.parametrize("norm", ["none", "in", "gn4", "gn16"])
 def test_accumulation_is_exact_for_batch_independent_norms(norm, model, train_split):
     loss16, reference = one_step_gradients(norm, 16, 1, train_split, model=model)
-    for b, k in [(1, 16), (4, 4)]:
+    for b, k in [(1, 16), (4, 4)] if model == "simple" else [(1, 16)]:  # resnet20 in float64: the harder case only
         loss, grads = one_step_gradients(norm, b, k, train_split, model=model)
         assert loss == pytest.approx(loss16, rel=1e-5)
         whole, worst = relative_differences(grads, reference)
