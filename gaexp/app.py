@@ -9,7 +9,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import hydra
 import torch
@@ -67,12 +67,13 @@ def check_model(c: Config) -> None:
     norms.check_channels(c.norm.options(), channels, c.model.name)
     norms.check_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
-        models.check_output(make_model(c), c.model.target, IN_CHANNELS, NUM_CLASSES)
+        models.check_output(make_model(c, make), c.model.target, IN_CHANNELS, NUM_CLASSES)
 
 
-def make_model(c: Config) -> torch.nn.Module:
-    """The cell's model, initialized from the global RNG (`build` seeds it)."""
-    return models.load(c.model.target)(norm_layer=norms.layer_of(c.norm),
+def make_model(c: Config, make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
+    """The cell's model, initialized from the global RNG (`build` seeds it); `make`: the builder, if already
+    loaded from model.target."""
+    return (make or models.load(c.model.target))(norm_layer=norms.layer_of(c.norm),
                                        in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
 
 
