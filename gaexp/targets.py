@@ -35,6 +35,7 @@ def load(target: str, key: str, keywords: Sequence[str] = (), positional: int = 
     try:
         signature.bind(*([None] * positional), **{name: None for name in keywords})
     except TypeError:
-        wanted = ", ".join([*(["a positional argument"] * bool(positional)), *(f"{k}=" for k in keywords)])
+        counted = ["a positional argument"] if positional == 1 else [f"{positional} positional arguments"] * bool(positional)
+        wanted = ", ".join([*counted, *(f"{k}=" for k in keywords)])
         raise TargetError(f"{key}={target!r}: {attr}{signature} must take {wanted}") from None
     return made

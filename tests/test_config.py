@@ -255,10 +255,10 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "train",
+LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "train", "check",
           "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
-          "bench", "app", "__main__"]
+          "bench", "app", "check_cli", "__main__"]
 
 
 def test_imports_point_down():

@@ -1,0 +1,249 @@
+"""`gaexp-check`: is this model safe to train with gradient accumulation? The command around gaexp/check.py.
+
+    gaexp-check torchvision.models:resnet18 --input-shape 3,224,224     # any callable returning a model
+    gaexp-check model=resnet20 norm=bn                                   # a gaexp model and norm (config overrides)
+
+One training step from the same weights and samples, as one batch of b*k and as k micro-batches of b; the
+report names what differs and why. Exit status 0 safe, 1 unsafe, 2 bad input; `--json` for machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+
+from gaexp import app, targets
+from gaexp.batches import IN_CHANNELS, NUM_CLASSES, load_split, micro_batch_indices, to_input
+from gaexp.check import CheckError, Report, check_accumulation
+from gaexp.config import CONFIG_DIR, DEVICES, typed
+from gaexp.data import DataError, data_config, datasets
+from gaexp.model import IMAGE_SIZE
+from gaexp.targets import TargetError
+from gaexp.train import resolve_device
+
+SAFE, UNSAFE, BAD_INPUT = 0, 1, 2
+DEFAULT_MICRO_BATCH, DEFAULT_ACCUM = 2, 4
+
+
+@dataclass
+class Subject:
+    """The model to check and what it takes."""
+    model: nn.Module
+    name: str  # how the report names it
+    input_shape: tuple[int, ...]  # one sample's
+    micro_batch: int
+    num_accum: int
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"{text!r}; valid: one sample's shape as positive integers, e.g. 3,224,224")
+    return shape
+
+
+def _keyword(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}; valid: KEY=VALUE, e.g. num_classes=10 or weights=null")
+    return key, yaml.safe_load(value)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gaexp-check", description=(
+        "Is this model safe to train with gradient accumulation? One training step from the same weights and "
+        "samples, taken as one batch of b*k and as k micro-batches of b (each loss scaled by 1/k), compared: the "
+        "gradients, which modules couple the samples of a batch, the buffers, the loss. Exit status 0 safe, "
+        "1 unsafe, 2 bad input."))
+    p.add_argument("target", nargs="+", metavar="TARGET", help=(
+        "an import path module:callable that returns a model (torchvision.models:resnet18, mypkg.nets:build), "
+        "or gaexp config overrides naming a model and norm (model=resnet20 norm=bn; model=custom "
+        "model.target=mypkg.nets:build norm=gn4), whose regime, if given, sets b and k"))
+    p.add_argument("--input-shape", type=_shape, default=None, help=(
+        "one sample's shape for an import path, e.g. 3,224,224 (default: 3,224,224); a gaexp model takes "
+        f"{IN_CHANNELS},{IMAGE_SIZE},{IMAGE_SIZE}"))
+    p.add_argument("--num-classes", type=int, default=None, help=(
+        "passed to the callable as num_classes= (default: its own); the targets are drawn from the model's "
+        "output classes"))
+    p.add_argument("--arg", type=_keyword, action="append", default=[], metavar="KEY=VALUE",
+                   help="another keyword argument for the callable, its value read as YAML (repeatable)")
+    p.add_argument("--micro-batch", type=int, default=None, help=(
+        f"b, the micro-batch (default: {DEFAULT_MICRO_BATCH}, or the gaexp regime's when one is given)"))
+    p.add_argument("--accum", type=int, default=None, help=(
+        f"k, the accumulation steps (default: {DEFAULT_ACCUM}, or the gaexp regime's when one is given)"))
+    p.add_argument("--loss", default=None, metavar="MODULE:CALLABLE", help=(
+        "loss(outputs, targets) -> scalar, a mean over its micro-batch (default: cross-entropy); one that takes "
+        "a step_targets= keyword gets the whole step's targets and is not scaled by 1/k"))
+    p.add_argument("--data", default="random", help=(
+        f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(datasets())}, its "
+        "first b*k training images in the seed's order (default: %(default)s)"))
+    p.add_argument("--data-root", default="outputs/data", help="where the gaexp datasets are (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help=f"{', '.join(DEVICES)} (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="the weights' and the data's seed (default: %(default)s)")
+    p.add_argument("--rtol", type=float, default=None, help=(
+        "the relative difference taken as float rounding (default: the square root of the parameters' machine "
+        "epsilon, 3.5e-4 in float32)"))
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _sizes(args: argparse.Namespace, regime: tuple[int, int] | None = None) -> tuple[int, int]:
+    b = args.micro_batch if args.micro_batch is not None else (regime or (DEFAULT_MICRO_BATCH, 0))[0]
+    k = args.accum if args.accum is not None else (regime or (0, DEFAULT_ACCUM))[1]
+    return b, k
+
+
+def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
+    """A gaexp model and norm, built as a cell builds them (the model's checks included)."""
+    if args.input_shape not in (None, (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE)):
+        raise CheckError(f"--input-shape {','.join(map(str, args.input_shape))}: a gaexp model takes "
+                         f"{IN_CHANNELS},{IMAGE_SIZE},{IMAGE_SIZE}")
+    if args.num_classes not in (None, NUM_CLASSES) or args.arg:
+        raise CheckError(f"--num-classes and --arg are for an import path; a gaexp model has {NUM_CLASSES} classes "
+                         "and takes its options from the config")
+    given_regime = any(o.split("=")[0].lstrip("+~").startswith("regime") for o in overrides)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        regime = compose("config", overrides=list(overrides)).regime if given_regime else None
+        b, k = _sizes(args, (regime.batch_size, regime.num_accum) if regime is not None else None)
+        cfg = compose("config", overrides=[*overrides, f"regime.batch_size={b}", f"regime.num_accum={k}",
+                                           f"seed={args.seed}", f"device={args.device}"])
+    c = typed(cfg)
+    app.check_model(c)
+    torch.manual_seed(c.seed)
+    name = f"model={c.model.name} norm={c.norm.name}"
+    return Subject(app.make_model(c), name, (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE), b, k)
+
+
+def from_import_path(target: str, args: argparse.Namespace) -> Subject:
+    """The model a callable returns, called with --num-classes and --arg as keywords."""
+    keywords = dict(args.arg)
+    if args.num_classes is not None:
+        keywords["num_classes"] = args.num_classes
+    make = targets.load(target, "TARGET", tuple(keywords))
+    torch.manual_seed(args.seed)
+    try:
+        model = make(**keywords)
+    except Exception as e:  # noqa: BLE001 - the user's builder, said in one line
+        raise CheckError(f"TARGET={target!r}: calling it with {keywords or 'no arguments'} raised "
+                         f"{type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise CheckError(f"TARGET={target!r} returned {type(model).__name__}; expected a torch.nn.Module")
+    b, k = _sizes(args)
+    return Subject(model, target, args.input_shape or (3, 224, 224), b, k)
+
+
+def load_loss(target: str | None) -> Callable[..., torch.Tensor] | None:
+    return None if target is None else targets.load(target, "--loss", positional=2)
+
+
+def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """b*k inputs of the subject's shape and a class target each, from the model's own output classes."""
+    n = subject.micro_batch * subject.num_accum
+    if subject.micro_batch < 1 or subject.num_accum < 2:
+        raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, k >= 2")
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.data == "random":
+        inputs = torch.rand((n, *subject.input_shape), generator=generator)
+    elif args.data in datasets():
+        if subject.input_shape != (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE):
+            raise CheckError(f"--data {args.data} has images of shape {IN_CHANNELS},{IMAGE_SIZE},{IMAGE_SIZE}; the "
+                             f"model takes {','.join(map(str, subject.input_shape))} (--input-shape)")
+        try:
+            split = load_split(data_config(args.data, args.data_root), train=True)
+        except RuntimeError as e:
+            raise DataError(f"--data {args.data}: not found under {args.data_root} ({e}); fetch it with "
+                            f"`python -m gaexp.data {args.data}`, or give --data-root") from None
+        idx = next(micro_batch_indices(len(split.labels), n, args.seed))
+        inputs = to_input(split.images[idx]).contiguous()
+    else:
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
+    subject.model.to(device)
+    inputs = inputs.to(device)
+    model_was = subject.model.training
+    subject.model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = subject.model(inputs[:2])
+    except Exception as e:  # noqa: BLE001 - the user's forward, said in one line
+        raise CheckError(f"the model refuses inputs of shape {tuple(inputs[:2].shape)} (--input-shape): "
+                         f"{type(e).__name__}: {e}") from None
+    finally:
+        subject.model.train(model_was)
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        raise CheckError(f"the model's output is {type(out).__name__} {tuple(getattr(out, 'shape', ()))}; the "
+                         "command needs logits (batch, classes, ...): for other outputs, call "
+                         "gaexp.check.check_accumulation with your own targets and loss")
+    classes = out.shape[1]
+    if args.num_classes is not None and classes != args.num_classes:
+        raise CheckError(f"--num-classes {args.num_classes}, but the model gives {classes} outputs per sample")
+    if args.data == "random":
+        labels = torch.randint(0, classes, (n, *out.shape[2:]), generator=generator)
+    else:
+        if classes < NUM_CLASSES:
+            raise CheckError(f"--data {args.data} has {NUM_CLASSES} classes; the model gives {classes} outputs")
+        labels = split.labels[idx]
+    return inputs, labels.to(device)
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no inf or nan: they are written as strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
+    """(exit status, what to print)."""
+    args = parser().parse_args(argv)
+    try:
+        if args.device not in DEVICES:
+            raise CheckError(f"--device {args.device!r}; valid: {', '.join(DEVICES)}")
+        device = resolve_device(args.device)
+        overrides = "=" in args.target[0]
+        if not overrides and len(args.target) > 1:
+            raise CheckError(f"TARGET: one import path, or config overrides KEY=VALUE; got {' '.join(args.target)}")
+        subject = from_config(args.target, args) if overrides else from_import_path(args.target[0], args)
+        loss = load_loss(args.loss)
+        inputs, labels = make_data(subject, args, device)
+        report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
+                                    num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed)
+    except (CheckError, TargetError, DataError, HydraException, OmegaConfBaseException, ValueError) as e:
+        return BAD_INPUT, f"gaexp-check: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return (SAFE if report.safe else UNSAFE), render(report, subject, args, device)
+
+
+def render(report: Report, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:
+    data = f"random inputs of shape {','.join(map(str, subject.input_shape))}" if args.data == "random" \
+        else f"{args.data}'s first {subject.micro_batch * subject.num_accum} training images (seed {args.seed})"
+    if args.json:
+        return json.dumps(_finite({"target": subject.name, "data": data, "device": str(device), "seed": args.seed,
+                                   **report.to_dict()}), indent=1)
+    return f"gaexp-check {subject.name}: {data}, {device}, seed {args.seed}\n{report}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    status, text = run(argv)
+    print(text, file=sys.stderr if status == BAD_INPUT else sys.stdout)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
