@@ -9,7 +9,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import hydra
 import torch
@@ -24,13 +24,13 @@ import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
-from gaexp.batches import IN_CHANNELS, NUM_CLASSES, Split, holdout_split, load_split, to_input
+from gaexp.batches import Split, holdout_split, load_split, to_input
 from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, require, typed
 from gaexp.data import check_num_train, ensure_data, raw_dir
 from gaexp.machine import usable_cores
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
-from gaexp import model as models
+from gaexp.model import check_model, make_model
 from gaexp.train import compile_phases, resolve_device, train
 
 log = logging.getLogger(__name__)
@@ -57,24 +57,6 @@ def check(cfg: DictConfig) -> Config:
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
     compile_phases(c.compile, c.norm.name, device)
     return c
-
-
-def check_model(c: Config) -> None:
-    """The model loads from its import path with gaexp's arguments, the norm's options fit its channels
-    (norm.groups), and a batch gives one logit per class; the global RNG is left as it was."""
-    make = models.load(c.model.target)
-    channels = models.norm_channels(make, IN_CHANNELS, NUM_CLASSES)
-    norms.check_channels(c.norm.options(), channels, c.model.name)
-    norms.check_layer(c.norm, channels)
-    with torch.random.fork_rng(devices=[]):
-        models.check_output(make_model(c, make), c.model.target, IN_CHANNELS, NUM_CLASSES)
-
-
-def make_model(c: Config, make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
-    """The cell's model, initialized from the global RNG (`build` seeds it); `make`: the builder, if already
-    loaded from model.target."""
-    return (make or models.load(c.model.target))(norm_layer=norms.layer_of(c.norm),
-                                       in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
 
 
 def prepare(cfg: DictConfig) -> str:

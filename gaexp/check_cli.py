@@ -23,12 +23,12 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from gaexp import app, targets
+from gaexp import targets
 from gaexp.batches import IN_CHANNELS, NUM_CLASSES, load_split, micro_batch_indices, to_input
 from gaexp.check import CheckError, Report, check_accumulation
 from gaexp.config import CONFIG_DIR, DEVICES, typed
 from gaexp.data import DataError, data_config, datasets
-from gaexp.model import IMAGE_SIZE
+from gaexp.model import IMAGE_SIZE, check_model, make_model
 from gaexp.targets import TargetError
 from gaexp.train import resolve_device
 
@@ -122,10 +122,10 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
         cfg = compose("config", overrides=[*overrides, f"regime.batch_size={b}", f"regime.num_accum={k}",
                                            f"seed={args.seed}", f"device={args.device}"])
     c = typed(cfg)
-    app.check_model(c)
+    check_model(c)
     torch.manual_seed(c.seed)
     name = f"model={c.model.name} norm={c.norm.name}"
-    return Subject(app.make_model(c), name, (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE), b, k)
+    return Subject(make_model(c), name, (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE), b, k)
 
 
 def from_import_path(target: str, args: argparse.Namespace) -> Subject:

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from gaexp import targets
+from gaexp import norms, targets
+from gaexp.batches import IN_CHANNELS, NUM_CLASSES
+from gaexp.config import Config
 from gaexp.targets import TargetError
 
 NormLayer = Callable[[int], nn.Module]
@@ -128,3 +130,23 @@ def check_output(model: nn.Module, target: str, in_channels: int, num_classes: i
     if shape != (2, num_classes):
         raise TargetError(f"model.target={target!r}: a batch of 2 images gave output of shape {shape or type(out)}; "
                          f"expected (2, {num_classes}) logits")
+
+
+# --- the model of a cell's config ---------------------------------------------------------------------
+
+def check_model(c: Config) -> None:
+    """The model loads from its import path with gaexp's arguments, the norm's options fit its channels
+    (norm.groups), and a batch gives one logit per class; the global RNG is left as it was."""
+    make = load(c.model.target)
+    channels = norm_channels(make, IN_CHANNELS, NUM_CLASSES)
+    norms.check_channels(c.norm.options(), channels, c.model.name)
+    norms.check_layer(c.norm, channels)
+    with torch.random.fork_rng(devices=[]):
+        check_output(make_model(c, make), c.model.target, IN_CHANNELS, NUM_CLASSES)
+
+
+def make_model(c: Config, make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
+    """The cell's model, initialized from the global RNG (`build` seeds it); `make`: the builder, if already
+    loaded from model.target."""
+    return (make or load(c.model.target))(norm_layer=norms.layer_of(c.norm),
+                                          in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)

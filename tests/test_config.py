@@ -258,7 +258,7 @@ def test_the_docs_key_table_is_generated_from_the_schema():
 LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "train", "check",
           "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
-          "bench", "app", "check_cli", "__main__"]
+          "bench", "check_cli", "app", "__main__"]
 
 
 def test_imports_point_down():
