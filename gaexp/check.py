@@ -526,6 +526,19 @@ def _remedies(modules: list[Coupling], buffers: list[BufferDiff], owners: dict[s
     return remedies
 
 
+def _buffer_parts(diffs: list[BufferDiff]) -> str:
+    """running_mean rel. 2.4; num_batches_tracked 1 vs 4 (the largest difference of each buffer name)."""
+    parts = []
+    for name in dict.fromkeys(d.name.rpartition(".")[2] for d in diffs):
+        same = [d for d in diffs if d.name.rpartition(".")[2] == name]
+        values = {(d.big, d.accumulated) for d in same}
+        if all(d.big for d in same) and len(values) == 1:
+            parts.append(f"{name} {same[0].big} vs {same[0].accumulated}")
+        else:
+            parts.append(f"{name} rel. {'up to ' * (len(same) > 1)}{max(d.rel for d in same):.2g}")
+    return "; ".join(parts)
+
+
 def render(r: Report, worst: int = 5) -> str:
     """The report for people: the verdict, what differs, the remedies."""
     lines = [f"{'SAFE' if r.safe else 'UNSAFE'}: micro-batch {r.micro_batch} x {r.num_accum} accumulation steps "
@@ -545,10 +558,15 @@ def render(r: Report, worst: int = 5) -> str:
         by_module.setdefault((b.module, b.type), []).append(b)
     lines.append(f"buffers ending the step differently: {len(r.buffers) or 'none'}"
                  + (f", in {len(by_module)} modules" if by_module else ""))
-    for (module, kind), diffs in by_module.items():
-        parts = [f"{d.name.rpartition('.')[2]} " + (f"{d.big} vs {d.accumulated}" if d.big else f"{d.rel:.2g}")
-                 for d in diffs]
-        lines.append(f"  {module:<40} {kind:<20} {'; '.join(parts)}")
+    if len(by_module) <= worst:
+        for (module, kind), diffs in by_module.items():
+            lines.append(f"  {module:<40} {kind:<20} {_buffer_parts(diffs)}")
+    else:  # one line per kind of module
+        for kind in dict.fromkeys(k for _, k in by_module):
+            diffs = [d for (_, k), ds in by_module.items() if k == kind for d in ds]
+            count = sum(k == kind for _, k in by_module)
+            lines.append(f"  {count} {kind} modules{'':<{max(0, 30 - len(kind) - len(str(count)))}} "
+                         f"{_buffer_parts(diffs)}")
     lines.append(f"loss: {'couples the samples' if r.loss_couples else 'per-sample'} (relative difference of its "
                  f"gradient {r.loss_rel:.2g})")
     if r.stochastic:
