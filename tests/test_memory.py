@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from torch import nn
@@ -32,10 +34,13 @@ def test_peak_rss_is_reset_and_read():
     if not reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs here: the peak cannot be reset (peaks are since process start)")
     before = peak_rss_bytes()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # A fresh anonymous mapping, every page written: new resident memory whatever the heap holds (64 MiB from
+    # malloc can come from freed, still resident heap memory after earlier tests in the same process).
+    block = mmap.mmap(-1, 64 * 2**20)
+    block.write(b"\1" * len(block))
     high = peak_rss_bytes()
     assert high >= before + 60 * 2**20
-    del block  # a large block goes back to the system at once (its own mapping)
+    block.close()  # unmapped at once
     assert peak_rss_bytes() >= high - 8 * 2**20  # freeing alone does not lower a peak (the kernel counts RSS lazily)
     assert reset_peak_rss()
     assert peak_rss_bytes() <= high - 50 * 2**20
