@@ -26,7 +26,7 @@ import inspect
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +146,7 @@ def _compare(micro: list[Any], full: Any, n: int) -> float | None:
         *parts, whole = leaves
         if not _batched(whole, n):
             continue
-        joined = torch.cat([p for p in parts])
+        joined = torch.cat(parts)
         rel = _rel(joined, whole) if joined.shape == whole.shape else math.inf
         worst = rel if worst is None else max(worst, rel)
     return worst
@@ -238,7 +238,7 @@ def _children_first(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(model.named_modules(), key=lambda item: -item[0].count(".") - bool(item[0]))
 
 
-def _descendants(name: str, names: Iterator[str]) -> list[str]:
+def _descendants(name: str, names: Iterable[str]) -> list[str]:
     prefix = f"{name}." if name else ""
     return [other for other in names if other != name and other.startswith(prefix)]
 
@@ -267,7 +267,7 @@ def _switch_off_stochastic(model: nn.Module, inputs: Any, rtol: float, seed: int
         calls = _record(model, inputs, seed)
         random_modules: list[str] = []
         for name, module in _children_first(model):
-            if not module.training or name not in calls or _descendants(name, iter(random_modules)):
+            if not module.training or name not in calls or _descendants(name, random_modules):
                 continue  # off already, never called, or random through a submodule (found first)
             call = calls[name][0]
             if _differs(_recall(module, call, 0, None, seed + 1, devices)[0], call.output, rtol):
@@ -291,7 +291,7 @@ def _couplings(model: nn.Module, inputs: Any, n: int, chunks: list[tuple[int, in
     for name, module in _children_first(model):
         if name not in calls:  # never called in the forward pass
             continue
-        if _descendants(name, iter(coupled)):
+        if _descendants(name, coupled):
             continue
         worst: float | None = None
         for call in calls[name]:

@@ -102,9 +102,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _sizes(args: argparse.Namespace, regime: tuple[int, int] | None = None) -> tuple[int, int]:
-    b = args.micro_batch if args.micro_batch is not None else (regime or (DEFAULT_MICRO_BATCH, 0))[0]
-    k = args.accum if args.accum is not None else (regime or (0, DEFAULT_ACCUM))[1]
-    return b, k
+    b, k = regime or (DEFAULT_MICRO_BATCH, DEFAULT_ACCUM)
+    return (args.micro_batch if args.micro_batch is not None else b), (args.accum if args.accum is not None else k)
 
 
 def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
