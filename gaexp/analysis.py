@@ -215,20 +215,74 @@ def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
                             "choose one sweep with --sweep")
 
 
-def t_interval(values: pd.Series) -> tuple[float, float, float]:
-    """Mean and the two ends of its 95% Student-t interval (nan ends with fewer than 2 values)."""
-    n, mean = len(values), float(values.mean())
+ALPHA = 0.05  # every test at 5%: the 95% interval, and TOST's two one-sided tests at 5% each
+MAX_SEEDS = 100  # seeds_to_settle looks this far
+VERDICTS = ("equivalent", "worse", "better", "inconclusive", "n/a (1 seed)")
+PAIRED_COLUMNS = ["diff", "ci_low", "ci_high", "pairs", "sd_a", "sd_b", "p_equivalent", "verdict", "seeds_needed"]
+
+
+def _settled(diff: float, sd: float, n: int, margin: float) -> bool:
+    """Whether n pairs with this mean difference and spread give a verdict other than inconclusive:
+    TOST's 90% interval inside +-margin, or the 95% interval clear of 0 (the tests' own criteria)."""
+    se = sd / np.sqrt(n)
+    return (abs(diff) + stats.t.ppf(1 - ALPHA, n - 1) * se < margin
+            or abs(diff) > stats.t.ppf(1 - ALPHA / 2, n - 1) * se)
+
+
+def seeds_to_settle(diff: float, sd: float, n: int, margin: float) -> int | None:
+    """The fewest seeds (more than n) at which the observed mean difference and standard deviation of the
+    differences, if they held, would settle an inconclusive comparison; None if not within MAX_SEEDS."""
+    return next((m for m in range(n + 1, MAX_SEEDS + 1) if _settled(diff, sd, m, margin)), None)
+
+
+def paired_verdict(a: pd.Series, b: pd.Series, margin: float) -> dict:
+    """Cell a against cell b, paired on their index (the seed): a - b's mean, its 95% t-interval (scipy's
+    paired t-test), each cell's std across seeds, and the verdict at +-margin (same units as a and b):
+    equivalent when statsmodels' paired TOST puts the difference inside +-margin at 5%; worse or better
+    (different) when the interval excludes 0; inconclusive otherwise, with the seeds that would settle it."""
+    from statsmodels.stats.weightstats import ttost_paired  # the report's only user: not imported by the app
+
+    pairs = pd.concat([a.rename("a"), b.rename("b")], axis=1).dropna()
+    x, y, n = pairs.a.to_numpy(float), pairs.b.to_numpy(float), len(pairs)
+    out = dict.fromkeys(PAIRED_COLUMNS, np.nan) | {"pairs": n, "seeds_needed": None}
+    if n == 0:
+        return out | {"verdict": None}
+    d = x - y
+    out |= {"diff": float(d.mean()), "sd_a": float(np.std(x, ddof=1)) if n > 1 else np.nan,
+            "sd_b": float(np.std(y, ddof=1)) if n > 1 else np.nan}
     if n < 2:
-        return mean, np.nan, np.nan
-    half = stats.t.ppf(0.975, n - 1) * values.std(ddof=1) / np.sqrt(n)
-    return mean, mean - half, mean + half
+        return out | {"verdict": VERDICTS[4]}
+    sd = float(np.std(d, ddof=1))
+    if sd == 0:  # every seed gives the same difference: the interval is that point, the tests degenerate
+        out |= {"ci_low": out["diff"], "ci_high": out["diff"], "p_equivalent": float(abs(out["diff"]) >= margin)}
+    else:
+        out["ci_low"], out["ci_high"] = (float(v) for v in stats.ttest_rel(x, y).confidence_interval(1 - ALPHA))
+        out["p_equivalent"] = float(ttost_paired(x, y, -margin, margin)[0])
+    if out["p_equivalent"] < ALPHA:
+        verdict = VERDICTS[0]
+    elif out["ci_low"] > 0 or out["ci_high"] < 0:
+        verdict = VERDICTS[2] if out["diff"] > 0 else VERDICTS[1]
+    else:
+        verdict = VERDICTS[3]
+        out["seeds_needed"] = seeds_to_settle(out["diff"], sd, n, margin)
+    return out | {"verdict": verdict}
+
+
+def verdict_text(verdict: str | None, seeds_needed: float | None) -> str:
+    """A verdict as the tables print it: inconclusive says how many seeds would settle it (`seeds_needed`
+    None or nan: more than MAX_SEEDS)."""
+    if verdict != VERDICTS[3]:
+        return verdict or "–"
+    if seeds_needed is None or pd.isna(seeds_needed):
+        return f"inconclusive (over {MAX_SEEDS} seeds)"
+    return f"inconclusive ({int(seeds_needed)} seeds)"
 
 
 @dataclass
 class Summary:
     table: pd.DataFrame  # the study's table: rows norm, columns design.table_columns, pooled mean valid acc
     cells: pd.DataFrame  # per (norm, regime): mean, std over seeds, seeds, final-step accuracy
-    paired: pd.DataFrame  # per norm and GA regime: paired (same seed) difference to bs16a1, 95% CI
+    paired: pd.DataFrame  # per norm and GA regime: paired (same seed) difference to bs16a1, 95% CI, verdict
     missing: list[str]  # cells with fewer seeds than the fullest cell, or none at all
     design: AnalysisConfig
     ranking: pd.DataFrame  # norms on design.ranked_regime, best first, paired differences to each baseline
@@ -242,19 +296,23 @@ class Summary:
 
 
 def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
-    """Every norm run on the ranked regime, best mean first, with its paired (same-seed) difference and
-    95% t-interval to each baseline cell present. `per_run`: windowed mean per (norm, regime, seed)."""
+    """Every norm run on the ranked regime, best mean first, with its std across seeds and its paired
+    (same-seed) difference, 95% t-interval and verdict at design.margin to each baseline cell present.
+    `per_run`: windowed mean per (norm, regime, seed)."""
     rows, regime = [], design.ranked_regime
     for norm in _order(per_run.index.get_level_values("norm").unique(), design.norm_order):
         if (norm, regime) not in per_run.index:
             continue
         acc = per_run[norm, regime]
-        row = {"norm": norm, "mean": float(acc.mean()), "seeds": len(acc)}
+        row = {"norm": norm, "mean": float(acc.mean()), "sd": float(acc.std(ddof=1)), "seeds": len(acc)}
         for b_norm, b_regime in design.baseline_cells():
             name = f"{b_norm}/{b_regime}"
-            diff = (acc - per_run[b_norm, b_regime]).dropna() if (b_norm, b_regime) in per_run.index else acc[[]]
-            mean, low, high = t_interval(diff) if len(diff) else (np.nan, np.nan, np.nan)
-            row |= {f"vs {name}": mean, f"vs {name} low": low, f"vs {name} high": high}
+            base = per_run[b_norm, b_regime] if (b_norm, b_regime) in per_run.index else acc[[]]
+            pair = paired_verdict(acc, base, design.margin / 100)
+            if (b_norm, b_regime) == (norm, regime):
+                pair |= {"verdict": "baseline", "seeds_needed": None}
+            row |= {f"vs {name}": pair["diff"], f"vs {name} low": pair["ci_low"], f"vs {name} high": pair["ci_high"],
+                    f"vs {name} verdict": pair["verdict"], f"vs {name} seeds_needed": pair["seeds_needed"]}
         rows.append(row)
     ranking = pd.DataFrame(rows)
     if ranking.empty:
@@ -295,14 +353,10 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
         for regime in (r for r in columns if r != reference):
             if (norm, regime) not in per_run.index or (norm, reference) not in per_run.index:
                 continue
-            diff = (per_run[norm, regime] - per_run[norm, reference]).dropna()  # aligned on seed
-            if diff.empty:
-                continue
-            mean, low, high = t_interval(diff)
-            paired_rows.append({"norm": norm, "regime": regime, "diff": mean, "ci_low": low,
-                                "ci_high": high, "pairs": len(diff),
-                                "matches": bool(low <= 0 <= high) if not np.isnan(low) else None})
-    paired = pd.DataFrame(paired_rows, columns=["norm", "regime", "diff", "ci_low", "ci_high", "pairs", "matches"])
+            pair = paired_verdict(per_run[norm, regime], per_run[norm, reference], design.margin / 100)
+            if pair["pairs"]:
+                paired_rows.append({"norm": norm, "regime": regime, **pair})
+    paired = pd.DataFrame(paired_rows, columns=["norm", "regime", *PAIRED_COLUMNS])
 
     most = int(cells.seeds.max())
     seeds = per_run.groupby(["norm", "regime"]).size()
@@ -400,13 +454,18 @@ def format_table(summary: Summary) -> str:
         lines.append(f"| {norm} | {regime} | {tuned}{pct(c['mean'])} | {pct(c['std'])} | {int(c.seeds)} | "
                      f"{pct(c.final_acc)} |")
     if not summary.paired.empty:
-        lines += ["", f"Paired (same seed) difference to {summary.design.reference}, percentage points, 95% t-interval", "",
-                  "| norm | regime | diff | 95% CI | pairs | GA matches true batch? |", "|---|---|---|---|---|---|"]
+        design = summary.design
+        lines += ["", f"Paired (same seed) difference to {design.reference}, percentage points, 95% t-interval; "
+                  f"verdict at a margin of ±{design.margin:g} points (equivalent: TOST inside the margin at 5%; "
+                  "worse/better: the interval excludes 0; inconclusive: neither, with the seeds that would settle "
+                  "it if the spread held)", "",
+                  f"| norm | regime | diff | 95% CI | std GA / {design.reference} | pairs | verdict (±{design.margin:g}) |",
+                  "|---|---|---|---|---|---|---|"]
         for p in summary.paired.itertuples():
             ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
-            verdict = {True: "yes (0 inside)", None: "n/a (1 seed)"}.get(
-                p.matches, "no: worse" if p.diff < 0 else "no: better")
-            lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {p.pairs} | {verdict} |")
+            sds = "n/a" if pd.isna(p.sd_a) else f"{100 * p.sd_a:.2f} / {100 * p.sd_b:.2f}"
+            lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {sds} | {p.pairs} | "
+                         f"{verdict_text(p.verdict, p.seeds_needed)} |")
     if len(summary.ranking) > 1:
         lines += ["", format_ranking(summary.ranking, summary.design)]
     if summary.missing:
@@ -418,18 +477,27 @@ def format_ranking(ranking: pd.DataFrame, design: AnalysisConfig) -> str:
     """The ranking on the ranked regime as Markdown: mean, then each paired difference with its interval."""
     def diff(row: pd.Series, name: str) -> str:
         mean, low, high = row[f"vs {name}"], row[f"vs {name} low"], row[f"vs {name} high"]
+        if row[f"vs {name} verdict"] == "baseline":
+            return "0 (baseline)"
         if pd.isna(mean):
             return "–"
         return f"{100 * mean:+.2f}" + ("" if pd.isna(low) else f" [{100 * low:+.2f}, {100 * high:+.2f}]")
 
+    def verdict(row: pd.Series, name: str) -> str:
+        found = row[f"vs {name} verdict"]
+        return "" if found == "baseline" else verdict_text(found, row[f"vs {name} seeds_needed"])
+
     names, regime = list(design.baselines), design.ranked_regime
-    lines = [f"Ranking on {regime}: mean valid accuracy %, and the paired (same seed) difference in points "
-             "to each baseline with its 95% t-interval", "",
-             "| rank | norm | " + regime + " % | seeds | " + " | ".join(f"vs {n}" for n in names) + " |",
-             "|" + "---|" * (4 + len(names))]
+    lines = [f"Ranking on {regime}: mean valid accuracy % and its std across seeds, and the paired (same seed) "
+             f"difference in points to each baseline with its 95% t-interval and verdict at a margin of "
+             f"±{design.margin:g} points", "",
+             "| rank | norm | " + regime + " % | std | seeds | "
+             + " | ".join(f"vs {n} | verdict (±{design.margin:g})" for n in names) + " |",
+             "|" + "---|" * (5 + 2 * len(names))]
     for _, row in ranking.iterrows():
-        lines.append(f"| {row['rank']} | {row.norm} | {100 * row['mean']:.2f} | {row.seeds} | "
-                     + " | ".join(diff(row, n) for n in names) + " |")
+        lines.append(f"| {row['rank']} | {row.norm} | {100 * row['mean']:.2f} | "
+                     + ("n/a" if pd.isna(row.sd) else f"{100 * row.sd:.2f}") + f" | {row.seeds} | "
+                     + " | ".join(f"{diff(row, n)} | {verdict(row, n)}" for n in names) + " |")
     return "\n".join(lines)
 
 

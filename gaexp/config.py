@@ -279,6 +279,9 @@ class MlflowConfig(Checked):
                              valid=at_least(1))
 
 
+OBJECTIVES = ("window", "final")
+
+
 @dataclass
 class AnalysisConfig(Checked):
     """The design of a study's report (conf/experiment/*.yaml set it; gaexp-report --study reads it)."""
@@ -295,6 +298,11 @@ class AnalysisConfig(Checked):
                                  "bn_microeval", "brn", "bn_kmom"], "row and panel order (others follow, sorted)")
     regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
     per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
+    margin: float = key(0.5, "equivalence margin in accuracy points: a paired difference shown (TOST, 5%) to lie "
+                             "within +-margin is `equivalent`", valid=(lambda v: 0 < v < 100, "a number in (0, 100)"))
+    objective: str = key("window", "what an Optuna trial returns: window (the mean valid accuracy over the "
+                                   "evaluations at step > window_start, the table's metric) or final (the last "
+                                   "evaluation's)", valid=one_of(*OBJECTIVES))
 
     def __post_init__(self) -> None:
         super().__post_init__()

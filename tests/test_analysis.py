@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
+from scipy import stats
 
 from gaexp import analysis, tracking
 from gaexp.analysis import AnalysisError, collect, load_study, plot_curves, summarize
@@ -101,9 +102,98 @@ def test_paired_differences_with_t_intervals(store):
     bn = paired.loc[("bn", "bs1a16")]
     assert bn["diff"] == pytest.approx(diffs.mean()) and bn.pairs == 2
     assert (bn.ci_low, bn.ci_high) == (pytest.approx(diffs.mean() - half), pytest.approx(diffs.mean() + half))
-    gn = paired.loc[("gn4", "bs1a16")]
-    assert gn["diff"] == pytest.approx(0.0, abs=1e-12) and gn.matches
+    assert (bn.sd_a, bn.sd_b) == (pytest.approx(np.std([0.6, 0.45], ddof=1)), pytest.approx(np.std([0.92, 0.82], ddof=1)))
+    assert bn.verdict == "worse" and bn.ci_high < 0  # 2 pairs, -0.32 and -0.37: clear of 0 even at t(1)
+    gn = paired.loc[("gn4", "bs1a16")]  # the same accuracies, seed for seed: a difference of exactly 0
+    assert gn["diff"] == pytest.approx(0.0, abs=1e-12) and gn.verdict == "equivalent"
     assert ("gn4", "bs4a4") not in paired.index
+
+
+def seeds(mean: float, sd: float, n: int) -> np.ndarray:
+    """n values whose mean and standard deviation (ddof=1) are exactly these."""
+    z = np.linspace(-1, 1, n) + 0.1 * np.sin(np.arange(n))
+    z = (z - z.mean()) / z.std(ddof=1)
+    return mean + sd * z
+
+
+def paired(diffs_points: np.ndarray, margin: float = 0.5, base: float = 0.9) -> dict:
+    """paired_verdict of two cells (fractions) whose same-seed differences are these, in points."""
+    b = pd.Series(base + 0.01 * np.cos(np.arange(len(diffs_points))), index=range(1, len(diffs_points) + 1))
+    return analysis.paired_verdict(b + np.asarray(diffs_points) / 100, b, margin / 100)
+
+
+def tost_p(d: np.ndarray, margin: float) -> float:
+    """The paired TOST p-value by its definition: the larger of the two one-sided t-tests' p-values."""
+    n, se = len(d), d.std(ddof=1) / np.sqrt(len(d))
+    return max(stats.t.sf((d.mean() + margin) / se, n - 1), stats.t.cdf((d.mean() - margin) / se, n - 1))
+
+
+@pytest.mark.parametrize("diffs, verdict", [
+    ([0.05, -0.03, 0.02, 0.0, 0.04, -0.02], "equivalent"),  # clearly inside ±0.5
+    ([-8.0, -9.5, -10.2], "worse"),                          # clearly below 0
+    ([2.9, 3.2, 2.8], "better"),
+    ([0.1, -0.6, 0.4], "inconclusive"),                      # 0 inside a wide interval: never "equivalent"
+    ([-12.1, -28.0, 3.8], "inconclusive"),                   # the tuned BatchNorm row the old table called a match
+    ([0.45, 0.55, 0.50, 0.48, 0.52], "better"),             # tight, on the margin: not equivalent, clear of 0
+])
+def test_verdicts_of_paired_samples_with_known_answers(diffs, verdict):
+    d = np.array(diffs) / 100
+    out = paired(diffs)
+    assert out["verdict"] == verdict and out["pairs"] == len(diffs)
+    assert out["diff"] == pytest.approx(d.mean(), abs=1e-12)
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+    assert (out["ci_low"], out["ci_high"]) == (pytest.approx(d.mean() - half, abs=1e-12),
+                                               pytest.approx(d.mean() + half, abs=1e-12))
+    assert out["p_equivalent"] == pytest.approx(tost_p(d, 0.005), rel=1e-9)
+    assert (out["seeds_needed"] is None) == (verdict != "inconclusive")
+
+
+def test_equivalent_needs_the_tost_not_just_zero_inside_the_interval():
+    """The same samples at two margins: inside ±0.5 (equivalent), not shown inside ±0.02 (inconclusive)."""
+    diffs = [0.05, -0.03, 0.02, 0.0, 0.04, -0.02]
+    assert paired(diffs, margin=0.5)["verdict"] == "equivalent"
+    narrow = paired(diffs, margin=0.02)
+    assert narrow["verdict"] == "inconclusive" and narrow["ci_low"] < 0 < narrow["ci_high"]
+
+
+@pytest.mark.parametrize("mean, sd", [(0.1, 0.4), (-0.2, 0.3), (-1.0, 1.5), (0.3, 0.2)])
+def test_the_suggested_seed_count_is_the_first_that_settles_it(mean, sd):
+    """With the observed mean and spread held, the suggested n gives a verdict and n - 1 does not."""
+    first = paired(seeds(mean, sd, 3))
+    assert first["verdict"] == "inconclusive"
+    n = first["seeds_needed"]
+    assert n is not None and n > 3
+    assert paired(seeds(mean, sd, n))["verdict"] != "inconclusive"
+    assert paired(seeds(mean, sd, n - 1))["verdict"] == "inconclusive" or n - 1 == 3
+
+
+def test_a_spread_no_seed_count_settles_says_so():
+    out = paired([0.49, -0.45, 0.6])  # a mean near 0.2, a spread of 0.6: beyond MAX_SEEDS
+    assert out["verdict"] == "inconclusive" and out["seeds_needed"] is None or out["seeds_needed"] <= analysis.MAX_SEEDS
+    far = paired(seeds(0.49, 3.0, 3))  # a mean next to the margin, a huge spread
+    assert far["seeds_needed"] is None
+    assert analysis.verdict_text(far["verdict"], far["seeds_needed"]) == "inconclusive (over 100 seeds)"
+    assert analysis.verdict_text("inconclusive", 7) == "inconclusive (7 seeds)"
+
+
+def test_one_seed_has_no_verdict_and_identical_cells_are_equivalent():
+    one = paired([0.3])
+    assert one["verdict"] == "n/a (1 seed)" and np.isnan(one["ci_low"]) and one["pairs"] == 1
+    same = paired([0.0, 0.0, 0.0])
+    assert (same["verdict"], same["ci_low"], same["ci_high"]) == ("equivalent", 0.0, 0.0)
+    shifted = paired([0.7, 0.7, 0.7])  # every seed exactly 0.7 better: outside ±0.5 with no doubt
+    assert shifted["verdict"] == "better" and shifted["ci_low"] == pytest.approx(0.007)
+
+
+def test_the_margin_is_validated_and_printed_in_every_table_header(store):
+    for bad in (0, -0.5, 100, 250.0, float("nan")):
+        with pytest.raises(ValueError, match=rf"analysis.margin={bad!r}; valid: a number in \(0, 100\)"):
+            AnalysisConfig(margin=bad)
+    client, _, _ = store
+    text = analysis.format_table(summarize(collect(client, "gaexp").data, AnalysisConfig(margin=0.25)))
+    assert "verdict at a margin of ±0.25 points" in text and "| verdict (±0.25) |" in text
+    assert "margin of ±0.25 points" in text.split("Ranking on bs1a16")[1] and "yes" not in text
+    assert "| gn4 | bs1a16 | +0.00 | [+0.00, +0.00] | 2.83 / 2.83 | 2 | equivalent |" in text
 
 
 def test_ranking_on_bs1a16_against_both_baselines(store, tmp_path):
@@ -123,8 +213,12 @@ def test_ranking_on_bs1a16_against_both_baselines(store, tmp_path):
         assert (fix[f"vs {name} low"], fix[f"vs {name} high"]) == (pytest.approx(diffs.mean() - half),
                                                                   pytest.approx(diffs.mean() + half))
     assert ranking.loc["in", "vs in/bs1a16"] == 0.0
+    assert fix.sd == pytest.approx(np.std([0.94, 0.91], ddof=1))
+    assert ranking.loc["in", "vs in/bs1a16 verdict"] == "baseline"
     text = analysis.format_table(summary)
-    assert "| 2 | bn_microeval | 92.50 | 2 | +5.50 [-38.97, +49.97] | -2.50 [-8.85, +3.85] |" in text
+    assert ("| 2 | bn_microeval | 92.50 | 2.12 | 2 | +5.50 [-38.97, +49.97] | inconclusive (6 seeds) | "
+            "-2.50 [-8.85, +3.85] | inconclusive (3 seeds) |") in text
+    assert "| 1 | in | 95.00 | 1.41 | 2 | +8.00 [-42.82, +58.82] | inconclusive (5 seeds) | 0 (baseline) |  |" in text
 
 
 def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
