@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import tempfile
@@ -49,19 +50,28 @@ def job_config(cfg: DictConfig) -> DictConfig:
 def check(cfg: DictConfig) -> Config:
     """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
     ranges (gaexp/config.py), the norm's options against the model (e.g. norm.groups against its channels),
-    and a compile that cannot run."""
+    a compile that cannot run, and for a search an objective without a value."""
     c = typed(cfg)
     check_model(c)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
     compile_phases(c.compile, c.norm.name, device)
+    if c.optuna.study is not None:  # a trial: what it will return must exist
+        tuning.check_objective(c.train.num_iterations, c.analysis)
     return c
+
+
+def is_search(cfg: DictConfig) -> bool:
+    """Whether this command's sweeper is gaexp's Optuna sweeper (only a callback's config has `hydra`)."""
+    return "gaexp_optuna" in str(OmegaConf.select(cfg, "hydra.sweeper._target_", default=""))
 
 
 def prepare(cfg: DictConfig) -> str:
     """Check the input, then data and MLflow store; returns the experiment id. Writes nothing on bad input."""
     c = check(job_config(cfg))
+    if is_search(cfg):  # before any trial
+        tuning.check_objective(c.train.num_iterations, c.analysis)
     tracking.check_server(c.mlflow.tracking_uri)
     ensure_data(c.data)
     check_num_train(c.data)
@@ -149,6 +159,7 @@ class ReportCallback(Callback):
                 continue
             tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, **part}
             with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
+                tracking.log_params(client, run_id, {"analysis": dataclasses.asdict(design)})  # margin, window...
                 for path in written:
                     client.log_artifact(run_id, str(path))
             log.info("report of sweep %s in %s and MLflow run %s\n%s", sweep_id, written[0].parent, name,
@@ -165,7 +176,7 @@ class StudiesCallback(Callback):
             return  # not a tuning sweep
         client = MlflowClient(config.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
-        for name in tuning.report_studies(client, experiment_id, results):
+        for name in tuning.report_studies(client, experiment_id, results, OmegaConf.to_object(config.analysis)):
             log.info("study %s: parent run study-%s", name, name)
 
 
@@ -241,7 +252,8 @@ def measure_memory(model: torch.nn.Module, data: Split, batch_size: int, device:
 def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
                     valid_data: Split, device: torch.device, activation_mb: float, client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None) -> float:
-    """Train inside an MLflow run that holds the config, every evaluation and the summary (`bar`: a tqdm bar
+    """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
+    value `returned_value` gives. `bar`: a tqdm bar
     over the steps; None: on a terminal; False: a log line per evaluation). A trial
     reports each evaluation to its study; when pruned, its run ends KILLED and optuna.TrialPruned
     tells the sweeper."""
@@ -281,12 +293,22 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
         log.info("%s: %s", c.run_name, e)
         raise optuna.TrialPruned(str(e)) from None
     log.info("%s: final valid_acc %.4f (run %s)", c.run_name, history[-1].valid_acc, run_id)
-    return history[-1].valid_acc
+    return returned_value(c, [(p.step, p.valid_acc) for p in history])
+
+
+def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
+    """What a job returns to its sweeper, from its (step, valid_acc) evaluations: a trial, its objective
+    (analysis.objective); a grid cell, whose value no sweeper reads, its final accuracy."""
+    if c.optuna.study is None:
+        return points[-1][1]
+    value = tuning.objective(points, c.analysis)
+    log.info("%s: objective %.4f (%s)", c.run_name, value, tuning.describe_objective(c.analysis))
+    return value
 
 
 def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, guessed_cells: int | None = None,
              in_sweep: bool = False) -> float:
-    """Train one cell of the grid and track it; returns the final valid accuracy. The store and data
+    """Train one cell of the grid and track it; returns `returned_value`. The store and data
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
     c = check(cfg)  # again where the cell runs: a cluster node may see another device than the launching host
@@ -302,7 +324,8 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
     key = tracking.protocol_key(resolved)
     done = skip_if_finished(client, experiment_id, key, c, sweep_id)
     if done is not None:
-        return done.data.metrics["final_valid_acc"]
+        history = client.get_metric_history(done.info.run_id, "valid_acc")
+        return returned_value(c, sorted((m.step, m.value) for m in history))
     model, train_data, valid_data = build(c, device)
     activation_mb = measure_memory(model, train_data, c.regime.batch_size, device)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress

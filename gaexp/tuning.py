@@ -20,13 +20,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import open_storage, open_trial  # noqa: E402
 from mlflow.entities import Metric, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from gaexp.config import OptunaTrialConfig, protocol_part  # noqa: E402
+from gaexp.config import AnalysisConfig, OptunaTrialConfig, protocol_part  # noqa: E402
 from gaexp.hooks import EvalPoint, Hook, Stopped  # noqa: E402
 
 
@@ -42,6 +43,35 @@ class ReportToTrial(Hook):
             raise Stopped(point.step, f"pruned by Optuna (valid_acc {point.valid_acc:.4f})")
 
 
+def objective(points: list[tuple[int, float]], design: AnalysisConfig) -> float:
+    """What a run returns to its trial, from its (step, valid_acc) evaluations: by default the report's
+    metric, the mean over the evaluations at step > design.window_start; with objective=final, the last."""
+    if design.objective == "final":
+        return points[-1][1]
+    window = [acc for step, acc in points if step > design.window_start]
+    if not window:
+        raise ValueError(f"analysis.objective=window: no evaluation after analysis.window_start="
+                         f"{design.window_start} (last step {points[-1][0]}); lower analysis.window_start "
+                         "or set analysis.objective=final")
+    return float(np.mean(window))
+
+
+def check_objective(num_iterations: int, design: AnalysisConfig) -> None:
+    """Refuse, before any trial trains, a window objective that no evaluation can fall in (the last step is
+    always evaluated)."""
+    if design.objective == "window" and num_iterations <= design.window_start:
+        raise ValueError(f"analysis.window_start={design.window_start}: a trial of train.num_iterations="
+                         f"{num_iterations} has no evaluation after it, so analysis.objective=window has no "
+                         "value; lower analysis.window_start or set analysis.objective=final")
+
+
+def describe_objective(design: AnalysisConfig) -> str:
+    """The objective in words, as the study's parent run records it."""
+    if design.objective == "final":
+        return "final: valid_acc at the last evaluation"
+    return f"window: mean valid_acc over the evaluations at step > {design.window_start} (the report's metric)"
+
+
 def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
     """The MLflow tags of a trial run (none for a run that is no trial)."""
     if trial_config.study is None:
@@ -52,10 +82,12 @@ def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
 STUDY_ROLE = "study"  # tag gaexp.role of a study's parent run
 
 
-def report_studies(client: MlflowClient, experiment_id: str, results: Path) -> list[str]:
+def report_studies(client: MlflowClient, experiment_id: str, results: Path, design: AnalysisConfig) -> list[str]:
     """After a tuning sweep: one parent run per study (found again on later sweeps) carrying the best
-    value and params, as metrics stepped by the trial count, and Optuna's plots; its trials' runs
-    become its children. `results`: the sweeper's optimization_results.yaml. Returns the study names."""
+    value and params, as metrics stepped by the trial count, the objective (tag `objective`), and
+    Optuna's plots; its trials' runs become its children. `results`: the sweeper's
+    optimization_results.yaml; `design`: the sweep's analysis node, whose objective the trials returned.
+    Returns the study names."""
     summary = OmegaConf.load(results)
     for name, outcome in summary.studies.items():
         study = optuna.load_study(study_name=name, storage=open_storage(summary.storage))
@@ -65,6 +97,7 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path) -> l
             tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": summary.storage}).info.run_id
         trials = len(study.trials)
         client.set_tag(parent, "optuna.states", ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
+        client.set_tag(parent, "objective", describe_objective(design))
         if outcome.best is not None:
             metrics = {"best_value": float(outcome.best.value), "best_trial": float(outcome.best.trial)}
             metrics |= {f"best.{k}": float(v) for k, v in outcome.best.params.items() if isinstance(v, (int, float))}

@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import optuna
 from mlflow.tracking import MlflowClient
 
 from gaexp import app, batches, data, progress
 from gaexp.app import prepare, run_cell, threads_for
+from hydra_plugins.gaexp_optuna_sweeper.sweeper import open_storage
 from tests.conftest import TINY
 
 
@@ -37,6 +39,41 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, compose):
     assert run.data.params["mlflow.tracking_uri"] == f"sqlite:///{tmp_path}/mlflow.db"
     assert run.data.metrics["peak_rss_mb"] > 0  # the bound is checked in the sweep's own process below
     assert run.data.metrics["activation_mb"] == pytest.approx(1.9116, rel=1e-3)  # GroupNorm(16), 4 images: ~0.48 MiB each
+
+
+@pytest.mark.parametrize("objective", ["window", "final"])
+def test_a_trial_returns_the_reports_windowed_mean_or_the_final_accuracy(tmp_path, compose, objective):
+    """One metric from search to report: a trial returns the mean of its evaluations at step >
+    analysis.window_start (here 2 and 4 of 2, 4, 6), or with objective=final the last one; so does the
+    same trial's cell when it is skipped as already FINISHED."""
+    storage = str(tmp_path / "optuna.journal")
+    study = optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize")
+    study.ask()
+    cfg = prepared(compose(*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=6", "analysis.window_start=1",
+                           f"analysis.objective={objective}", f"optuna.storage={storage}", "optuna.study=s",
+                           "optuna.trial=0", outputs=tmp_path))
+    value = run_cell(cfg, sweep_id="test")
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "valid_acc")}
+    assert sorted(history) == [2, 4, 6] and len(set(history.values())) == 3  # three different accuracies
+    expected = (history[2] + history[4] + history[6]) / 3 if objective == "window" else history[6]
+    assert value == pytest.approx(expected, abs=1e-12)
+    assert run_cell(cfg, sweep_id="again") == value  # skipped: the same value, from the run's history
+
+
+def test_a_search_refuses_a_window_its_trials_never_reach(tmp_path, compose):
+    cfg = compose(*TINY, "hydra/sweeper=gaexp_optuna", "train.num_iterations=200", "analysis.window_start=250",
+                  outputs=tmp_path, hydra=True)
+    with pytest.raises(ValueError, match=r"analysis.window_start=250: a trial of train.num_iterations=200 has no "
+                                         r"evaluation after it, so analysis.objective=window has no value; lower "
+                                         r"analysis.window_start or set analysis.objective=final"):
+        prepare(cfg)
+    assert not (tmp_path / "mlflow.db").exists()  # refused before the store is made
+    prepare(compose(*TINY, "hydra/sweeper=gaexp_optuna", "train.num_iterations=200", "analysis.window_start=250",
+                    "analysis.objective=final", outputs=tmp_path, hydra=True))  # the final evaluation always exists
+    prepare(compose(*TINY, "train.num_iterations=200", "analysis.window_start=250", outputs=tmp_path,
+                    hydra=True))  # a grid: its report says what it lacks; no trial returns a window
 
 
 def fake_dataset_overrides(root: Path, dataset: str, torchvision: str, num_train: int = 64,
@@ -258,6 +295,8 @@ def test_sweep_end_writes_the_report_and_logs_it_to_mlflow(sweep):
     assert "| bn | " in table and "| gn4 | " in table and (out / "reports" / sweep_id / "curves.png").is_file()
     (report,) = client.search_runs([runs["bn-bs1a16-s1"].info.experiment_id], "tags.`gaexp.role` = 'report'")
     assert report.info.run_name == f"report-{sweep_id}" and report.data.tags["sweep_id"] == sweep_id
+    assert (report.data.params["analysis.margin"], report.data.params["analysis.window_start"]) == ("0.5", "0")
+    assert "| verdict (±0.5) |" in table  # the study design the verdicts were made at, in the table and the run
     assert {"table.md", "curves.png", "curves.pdf", "runs.csv"} <= {a.path for a in client.list_artifacts(report.info.run_id)}
 
 

@@ -122,6 +122,8 @@ def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_com
     (parent,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id], "tags.`gaexp.role` = 'study'")
     assert parent.data.tags["optuna.study"] == study.study_name and parent.info.status == "FINISHED"
     assert parent.data.metrics["best_value"] == study.best_value
+    assert parent.data.tags["objective"] == ("window: mean valid_acc over the evaluations at step > 0 "
+                                             "(the report's metric)")
     assert parent.data.metrics["best.train.lr"] == study.best_params["train.lr"]
     assert {"optimization_history.png", "slice.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     for trial in study.trials:
@@ -131,6 +133,8 @@ def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_com
         assert float(run.data.params["train.lr"]) == trial.params["train.lr"]  # the sampled value, exactly
         history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "valid_acc")}
         assert history == trial.intermediate_values  # every evaluation reported to the study
+        if trial.state == TrialState.COMPLETE:  # its value: the report's metric, the mean at step > window_start (0)
+            assert trial.value == pytest.approx(sum(history.values()) / len(history), abs=1e-12)
         assert run.info.status == ("FINISHED" if trial.state == TrialState.COMPLETE else "KILLED")
     ((name, outcome, overrides),) = tuning.tuned_commands(client, "gaexp", "t", "1,2", ["launch=joblib"])
     assert (name, outcome["trial"], outcome["value"]) == ("t", study.best_trial.number, study.best_value)
