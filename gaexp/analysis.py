@@ -586,6 +586,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "YAML file given by path (default: %(default)s)")
     parser.add_argument("--window-start", type=int, default=None,
                         help="average evaluations at step > this (default: the study's, 250; 2499 for the tail)")
+    parser.add_argument("--margin", type=float, default=None,
+                        help="equivalence margin in accuracy points for the verdicts (default: the study's, 0.5)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<sweep>)")
     args = parser.parse_args(argv)
     if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
@@ -594,6 +596,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         design = load_study(args.study)
         if args.window_start is not None:
             design = dataclasses.replace(design, window_start=args.window_start)
+        if args.margin is not None:
+            design = dataclasses.replace(design, margin=args.margin)
         summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
                                              dataset=args.dataset, model=args.model)
     except (AnalysisError, ValueError) as e:

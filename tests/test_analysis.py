@@ -388,6 +388,16 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "none.db").exists()
 
 
+def test_the_cli_takes_a_margin_and_refuses_a_bad_one(store, tmp_path, capsys):
+    _, _, uri = store
+    analysis.main(["--tracking-uri", uri, "--margin", "0.25", "--out", str(tmp_path / "r")])
+    assert "| verdict (±0.25) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        analysis.main(["--tracking-uri", uri, "--margin", "0", "--out", str(tmp_path / "bad")])
+    assert info.value.code == "error: analysis.margin=0.0; valid: a number in (0, 100)"
+    assert not (tmp_path / "bad").exists()
+
+
 def test_memory_table_per_regime(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
