@@ -248,10 +248,10 @@ def paired_verdict(a: pd.Series, b: pd.Series, margin: float) -> dict:
     if n == 0:
         return out | {"verdict": None}
     d = x - y
-    out |= {"diff": float(d.mean()), "sd_a": float(np.std(x, ddof=1)) if n > 1 else np.nan,
-            "sd_b": float(np.std(y, ddof=1)) if n > 1 else np.nan}
+    out["diff"] = float(d.mean())
     if n < 2:
         return out | {"verdict": VERDICTS[4]}
+    out |= {"sd_a": float(np.std(x, ddof=1)), "sd_b": float(np.std(y, ddof=1))}
     sd = float(np.std(d, ddof=1))
     if sd == 0:  # every seed gives the same difference: the interval is that point, the tests degenerate
         out |= {"ci_low": out["diff"], "ci_high": out["diff"], "p_equivalent": float(abs(out["diff"]) >= margin)}

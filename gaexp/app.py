@@ -324,6 +324,8 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
     key = tracking.protocol_key(resolved)
     done = skip_if_finished(client, experiment_id, key, c, sweep_id)
     if done is not None:
+        if c.optuna.study is None:  # a grid cell: its final accuracy, logged; no history to read
+            return done.data.metrics["final_valid_acc"]
         history = client.get_metric_history(done.info.run_id, "valid_acc")
         return returned_value(c, sorted((m.step, m.value) for m in history))
     model, train_data, valid_data = build(c, device)

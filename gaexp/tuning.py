@@ -48,12 +48,8 @@ def objective(points: list[tuple[int, float]], design: AnalysisConfig) -> float:
     metric, the mean over the evaluations at step > design.window_start; with objective=final, the last."""
     if design.objective == "final":
         return points[-1][1]
-    window = [acc for step, acc in points if step > design.window_start]
-    if not window:
-        raise ValueError(f"analysis.objective=window: no evaluation after analysis.window_start="
-                         f"{design.window_start} (last step {points[-1][0]}); lower analysis.window_start "
-                         "or set analysis.objective=final")
-    return float(np.mean(window))
+    check_objective(points[-1][0], design)  # the last evaluation is at the last step
+    return float(np.mean([acc for step, acc in points if step > design.window_start]))
 
 
 def check_objective(num_iterations: int, design: AnalysisConfig) -> None:
