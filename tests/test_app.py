@@ -63,9 +63,9 @@ def test_a_trial_returns_the_reports_windowed_mean_or_the_final_accuracy(tmp_pat
 
 
 def test_a_search_refuses_a_window_its_trials_never_reach(tmp_path, compose):
-    cfg = compose(*TINY, "hydra/sweeper=gaexp_optuna", "train.num_iterations=200", "analysis.window_start=250",
-                  outputs=tmp_path, hydra=True)
-    with pytest.raises(ValueError, match=r"analysis.window_start=250: a trial of train.num_iterations=200 has no "
+    cfg = compose(*TINY, "hydra/sweeper=gaexp_optuna", "train.num_iterations=250", "analysis.window_start=250",
+                  outputs=tmp_path, hydra=True)  # the last evaluation at step 250 is not after 250
+    with pytest.raises(ValueError, match=r"analysis.window_start=250: a trial of train.num_iterations=250 has no "
                                          r"evaluation after it, so analysis.objective=window has no value; lower "
                                          r"analysis.window_start or set analysis.objective=final"):
         prepare(cfg)
