@@ -45,7 +45,8 @@ TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
 DATASET, MODEL = "dataset", "model"  # the protocol columns of data.dataset and model.name
 PARTS = {DATASET: "data.dataset", MODEL: "model.name"}  # a report never pools two values of these: one per value
-RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds"]
+RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds",
+               "batched_activation_mb", "batched_peak_rss_mb", "batched_cuda_max_mem_mb"]  # batched: accumulate=batched
 
 
 class AnalysisError(RuntimeError):
@@ -179,12 +180,15 @@ def select(collected: Collected, **wanted: str | None) -> Collected:
 
 
 def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
-    """Per regime: micro-batch, effective batch, activation memory per micro-batch, speed, peaks."""
+    """Per regime: micro-batch, effective batch, activation memory per micro-batch, speed, peaks. The activation
+    column is what the loop holds whichever engine ran; runs of accumulate=batched add what they held
+    (`batched_*` columns: the b*k samples of a step, and their process peaks, never the loop's)."""
     table = runs.groupby("regime").agg(
         micro_batch=("batch_size", "first"), num_accum=("num_accum", "first"), runs=("run_id", "count"),
         activation_mb=("activation_mb", "mean"), samples_per_sec=("samples_per_sec", "mean"),
         wall_seconds=("wall_seconds", "mean"), peak_rss_mb=("peak_rss_mb", "max"),
-        cuda_max_mem_mb=("cuda_max_mem_mb", "max"))
+        cuda_max_mem_mb=("cuda_max_mem_mb", "max"), batched_activation_mb=("batched_activation_mb", "mean"),
+        batched_peak_rss_mb=("batched_peak_rss_mb", "max"), batched_cuda_max_mem_mb=("batched_cuda_max_mem_mb", "max"))
     table.insert(1, "effective_batch", table.micro_batch * table.num_accum)
     table = table.drop(columns="num_accum").reindex(_order(table.index, design.regime_order))
     if design.reference in table.index:
@@ -429,7 +433,7 @@ def format_memory(memory: pd.DataFrame) -> str:
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for regime, row in memory.iterrows():
         cells = [f"{v:.0f}" if k in ("micro_batch", "effective_batch", "runs") else
-                 f"{v:.3f}" if k == "activation_vs_bs16a1" else f"{v:.2f}" if k == "activation_mb" else f"{v:.0f}"
+                 f"{v:.3f}" if k == "activation_vs_bs16a1" else f"{v:.2f}" if k in ("activation_mb", "batched_activation_mb") else f"{v:.0f}"
                  for k, v in row.items()]
         lines.append("| " + " | ".join([regime, *cells]) + " |")
     return "\n".join(lines) + "\n"

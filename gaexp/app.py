@@ -25,8 +25,9 @@ import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
 from gaexp import analysis, norms, tracking, tuning
+from gaexp.batched import coupled_layers
 from gaexp.batches import Split, holdout_split, load_split, to_input
-from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, require, typed
+from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, RegimeConfig, require, typed
 from gaexp.data import check_num_train, ensure_data, raw_dir
 from gaexp.machine import usable_cores
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
@@ -50,13 +51,16 @@ def job_config(cfg: DictConfig) -> DictConfig:
 def check(cfg: DictConfig) -> Config:
     """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
     ranges (gaexp/config.py), the norm's options against the model (e.g. norm.groups against its channels),
-    a compile that cannot run, and for a search an objective without a value."""
+    a compile that cannot run, a model accumulate=batched cannot chunk, and for a search an objective without a value."""
     c = typed(cfg)
     check_model(c)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
     compile_phases(c.compile, c.norm.name, device)
+    if c.accumulate == "batched":  # a layer it cannot chunk exactly is refused here, not run approximately
+        with torch.random.fork_rng(devices=[]):
+            coupled_layers(make_model(c))
     if c.optuna.study is not None:  # a trial: what it will return must exist
         tuning.check_objective(c.train.num_iterations, c.analysis)
     return c
@@ -240,17 +244,23 @@ def build(c: Config, device: torch.device) -> tuple[torch.nn.Module, Split, Spli
     return model, train_data, valid_data
 
 
-def measure_memory(model: torch.nn.Module, data: Split, batch_size: int, device: torch.device) -> float:
-    """MiB autograd saves for one micro-batch; then the process peaks start from here."""
-    mib = activation_bytes(model, to_input(data.images[:batch_size]), data.labels[:batch_size]) / 2**20
+def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
+                   device: torch.device) -> dict[str, float]:
+    """MiB autograd saves for one micro-batch (`activation_mb`: what the loop holds, whichever engine runs:
+    the study's memory column) and, for accumulate=batched, for the b*k samples of a step
+    (`batched_activation_mb`); then the process peaks start from here."""
+    b, n = regime.batch_size, regime.batch_size * regime.num_accum
+    memory = {"activation_mb": activation_bytes(model, to_input(data.images[:b]), data.labels[:b]) / 2**20}
+    if engine == "batched":
+        memory["batched_activation_mb"] = activation_bytes(model, to_input(data.images[:n]), data.labels[:n]) / 2**20
     reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return mib
+    return memory
 
 
 def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
-                    valid_data: Split, device: torch.device, activation_mb: float, client: MlflowClient,
+                    valid_data: Split, device: torch.device, memory: dict[str, float], client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None) -> float:
     """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
     value `returned_value` gives. `bar`: a tqdm bar
@@ -259,7 +269,8 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     tells the sweeper."""
     compiled = compile_phases(c.compile, c.norm.name, device)
     tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
-            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "sweep_id": sweep_id,
+            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "accumulate": c.accumulate,
+            "sweep_id": sweep_id,
             tracking.SWEEPS: sweep_id, "protocol_key": key,
             "device": device.type, "threads": torch.get_num_threads(),
             "compiled": ",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
@@ -280,13 +291,15 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
                      Progress(c.train.num_iterations, c.run_name, bar)]
             tic = time.perf_counter()
             try:
-                history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled)
+                history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
+                                c.accumulate)
             except DivergedError as e:
                 client.set_tag(run_id, "diverged_step", str(e.step))
                 raise
-            memory = {"activation_mb": activation_mb, "peak_rss_mb": peak_rss_bytes() / 2**20}
+            peak = "batched_" if c.accumulate == "batched" else ""  # a batched run's peaks are not the loop's
+            memory = {**memory, f"{peak}peak_rss_mb": peak_rss_bytes() / 2**20}
             if device.type == "cuda":
-                memory["cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+                memory[f"{peak}cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
             tracking.log_model(client, run_id, model, step=history[-1].step)  # the eager module: reloadable
     except Stopped as e:
@@ -329,9 +342,9 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
         history = client.get_metric_history(done.info.run_id, "valid_acc")
         return returned_value(c, sorted((m.step, m.value) for m in history))
     model, train_data, valid_data = build(c, device)
-    activation_mb = measure_memory(model, train_data, c.regime.batch_size, device)
+    memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
-    return train_and_track(c, resolved, key, model, train_data, valid_data, device, activation_mb, client,
+    return train_and_track(c, resolved, key, model, train_data, valid_data, device, memory, client,
                            experiment_id, sweep_id, hydra_dir, bar)
 
 

@@ -316,6 +316,7 @@ class AnalysisConfig(Checked):
 DEVICES = ("auto", "cpu", "cuda")
 THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or an integer >= 0")
 COMPILE_CHOICES = ("auto", "off", "eval", "all")
+ENGINES = ("loop", "batched")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
 CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib's negative counts (-1: one per core)")
 
 
@@ -340,6 +341,11 @@ class Config(Checked):
     compile: str = key("auto", "torch.compile: off, eval (evaluation only), all (training too), auto (what pays for "
                               "the norm: all for in and in_affine, eval for the rest)", runtime=True,
                        valid=one_of(*COMPILE_CHOICES))
+    accumulate: str = key("loop", "how a step's k micro-batches are computed: loop (one forward and backward per "
+                                  "micro-batch: the memory of b samples, the study's reference) or batched (one "
+                                  "pass over the b*k samples, BatchNorm-like layers chunked by b in order: the "
+                                  "same arithmetic up to rounding, faster, the memory of b*k)",
+                          valid=one_of(*ENGINES), was="loop")  # what every run recorded before this key ran
     rerun: bool = key(False, "run a cell again even if it already FINISHED with the same protocol", runtime=True)
     progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
                                    runtime=True)
@@ -351,11 +357,12 @@ class Config(Checked):
 
     @property
     def run_name(self) -> str:
-        """bn-bs1a16-s1; another dataset or model than the first leads: fashion_mnist-resnet20-bn-bs1a16-s1 (the
-        names of runs recorded before these were a choice stay valid); a trial of an Optuna study adds its
-        number: -t7."""
+        """bn-bs1a16-s1; another dataset, model or engine than the first leads:
+        fashion_mnist-resnet20-batched-bn-bs1a16-s1 (the names of runs recorded before these were a choice stay
+        valid); a trial of an Optuna study adds its number: -t7."""
         lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),
-                                           (self.model.name, ADDED_DEFAULTS["model.name"])) if value != first]
+                                           (self.model.name, ADDED_DEFAULTS["model.name"]),
+                                           (self.accumulate, ADDED_DEFAULTS["accumulate"])) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"
         return "".join(f"{v}-" for v in lead) + f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 

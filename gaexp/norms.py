@@ -82,16 +82,21 @@ class BatchRenorm2d(nn.BatchNorm2d):
             t = min(1.0, max(0.0, (step - self.warmup_steps) / self.ramp_steps))
         return 1.0 + t * (self.r_max - 1.0), t * self.d_max
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(x)
+    def corrections(self, mean: torch.Tensor, std: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r, d) of a batch with statistics `mean` and `std`, from the running statistics as they are now."""
         r_max, d_max = self.limits()
-        mean = x.mean(dim=(0, 2, 3))
-        var = x.var(dim=(0, 2, 3), unbiased=False)
-        std = torch.sqrt(var + self.eps)
         running_std = torch.sqrt(self.running_var + self.eps)
         r = (std.detach() / running_std).clamp(1.0 / r_max, r_max)
         d = ((mean.detach() - self.running_mean) / running_std).clamp(-d_max, d_max)
+        return r, d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        mean = x.mean(dim=(0, 2, 3))
+        var = x.var(dim=(0, 2, 3), unbiased=False)
+        std = torch.sqrt(var + self.eps)
+        r, d = self.corrections(mean, std)
         x_hat = (x - mean[:, None, None]) / std[:, None, None] * r[:, None, None] + d[:, None, None]
         with torch.no_grad():  # the running statistics BatchNorm2d keeps (unbiased variance)
             n = x.numel() / x.shape[1]

@@ -6,15 +6,17 @@ and returns the history.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from gaexp.batched import Chunking, accumulate_batched
 from gaexp.batches import Split, micro_batch_indices, to_input
-from gaexp.config import COMPILE_CHOICES, RegimeConfig, TrainConfig
+from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import COMPILED_TRAINING
 
@@ -78,6 +80,17 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[torch.Tens
     return total / num_accum
 
 
+def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Callable[..., torch.Tensor]:
+    """What computes an optimizer step's gradient for `accumulate=engine`, called as `accumulate` is:
+    loop, `accumulate`; batched, `accumulate_batched` with the model's coupling layers chunked by
+    `batch_size` (gaexp/batched.py; a model it cannot chunk exactly is refused)."""
+    if engine == "loop":
+        return accumulate
+    if engine == "batched":
+        return functools.partial(accumulate_batched, chunking=Chunking(model, batch_size))
+    raise ValueError(f"accumulate={engine!r}; valid: {', '.join(ENGINES)}")
+
+
 @torch.inference_mode()
 def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> float:
     """Accuracy on the whole split in eval mode, in large batches."""
@@ -92,15 +105,18 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> floa
 
 
 def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: TrainConfig, regime: RegimeConfig,
-          seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset()) -> list[EvalPoint]:
+          seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset(),
+          engine: str = "loop") -> list[EvalPoint]:
     """Adam on `cfg.num_iterations` optimizer steps of `regime.num_accum` micro-batches of `regime.batch_size`,
-    in the data order of `seed`; evaluates every `cfg.eval_period` steps and at the last step. The phases
-    in `compiled` run through torch.compile, one static graph per shape (Inductor caches them on disk)."""
+    in the data order of `seed`, each step's micro-batches computed by `engine` (`step_function`); evaluates
+    every `cfg.eval_period` steps and at the last step. The phases in `compiled` run through torch.compile,
+    one static graph per shape (Inductor caches them on disk)."""
     if compiled:  # a worker process runs many cells: start each with no graphs in memory, or Dynamo's
         torch._dynamo.reset()  # recompile limit would silently turn later cells eager (Inductor's disk cache stays)
     forward = torch.compile(model, dynamic=False) if "train" in compiled else model
     eval_forward = torch.compile(model, dynamic=False) if "eval" in compiled else model
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    gradient = step_function(engine, model, regime.batch_size)
     batches = micro_batch_indices(len(train_data.labels), regime.batch_size, seed, train_data.labels.device)
     losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's mean unscaled loss
     history: list[EvalPoint] = []
@@ -108,7 +124,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
     model.train()
     try:
         for step in range(1, cfg.num_iterations + 1):
-            losses[step - 1] = accumulate(forward, train_data, batches, regime.num_accum)
+            losses[step - 1] = gradient(forward, train_data, batches, regime.num_accum)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             for hook in hooks:

@@ -117,6 +117,8 @@ def test_the_model_group_names_the_model_in_names_and_leads_after_the_dataset(co
     assert c.run_name == "resnet20-gn4-bs1a16-s3"
     assert typed(compose("model=resnet20", "data=fashion_mnist", "norm=gn4")).run_name == "fashion_mnist-resnet20-gn4-bs16a1-s1"
     assert typed(compose("model=custom", "model.target=m:f", "model.name=mynet")).run_name == "mynet-bn-bs16a1-s1"
+    assert typed(compose("model=resnet20", "accumulate=batched")).run_name == "resnet20-batched-bn-bs16a1-s1"
+    assert typed(compose("accumulate=loop", "norm=gn4")).run_name == "gn4-bs16a1-s1"  # the loop keeps its names
     with pytest.raises(ValueError, match=r"^model.target has no value; set it on the command line \(model.target=...\): "
                                          r"module:callable taking norm_layer, in_channels, num_classes"):
         typed(compose("model=custom"))  # never the simple model's default in its place
@@ -152,6 +154,7 @@ def test_composition_refuses_wrong_types_and_unknown_keys(case, compose):
 
 RANGE_ERRORS = {
     "batch size": (["regime.batch_size=0"], r"regime.batch_size=0; valid: an integer >= 1"),
+    "engine": (["accumulate=ghost"], r"^accumulate='ghost'; valid: loop, batched$"),
     "accumulation": (["regime.num_accum=-2"], r"regime.num_accum=-2; valid: an integer >= 1"),
     "iterations": (["train.num_iterations=0"], r"train.num_iterations=0; valid: an integer >= 1"),
     "eval period": (["train.eval_period=0"], r"train.eval_period=0; valid: an integer >= 1"),
@@ -196,7 +199,7 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
     assert PROTOCOL_COLUMNS == ["model.name", "model.target", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
-                                "train.eval_batch_size", "data.dataset", "data.holdout"]
+                                "train.eval_batch_size", "accumulate", "data.dataset", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     assert list(excluded) == ["launch", "experiment", *runtime]
     resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu"), resolve=True)
@@ -213,6 +216,10 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     resnet = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "model=resnet20"), resolve=True)
     assert protocol_part(resnet)["model"] == {"name": "resnet20", "target": "gaexp.model:ResNet20"}  # cost: runtime
     assert tracking.protocol_key(resnet) != tracking.protocol_key(resolved)
+    batched = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "accumulate=batched"),
+                                     resolve=True)
+    assert protocol_part(batched)["accumulate"] == "batched" and "accumulate" not in protocol_part(resolved)
+    assert tracking.protocol_key(batched) != tracking.protocol_key(resolved)
 
 
 PROTOCOL_KEY_GN4_BS4A4 = "0a648bac67732a7c"  # tag protocol_key of gn4-bs4a4-s1, 40 steps, recorded by d106f35
@@ -255,7 +262,7 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "train", "check",
+LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
           "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
           "bench", "check_cli", "app", "__main__"]

@@ -1,0 +1,107 @@
+"""Accumulation in one batched pass (`accumulate=batched`): an optimizer step's k micro-batches of b computed
+as one forward and one backward over their b*k samples, with the same arithmetic as the loop.
+
+Within a step every micro-batch sees the same weights, so their passes are independent except where a layer
+couples the samples of a batch: BatchNorm and its remedies (statistics over the batch, running buffers updated
+once per call). Those layers take the b*k samples in k chunks of b, in the loop's order, so each normalizes
+by its micro-batch's statistics and updates its buffers k times in sequence, as in the loop (Batch Renorm's r
+and d read the running statistics before each chunk). Every other layer is per sample and runs on the whole
+batch. The loss is the mean over b*k samples: the loop's sum of k micro-batch means, each scaled by 1/k. What
+differs is float rounding only (reductions summed in another order), proven per norm and regime by
+tests/test_batched.py.
+
+gaexp knows which layers are which by their exact type: a leaf layer it does not know (a norm file's own
+layer, dropout, a subclass with its own forward) is refused in one line, never run approximately. Modules
+with children and no parameters of their own (the models' blocks) are read as compositions of their layers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gaexp.batches import Split, to_input
+from gaexp.model import ZeroPadShortcut
+from gaexp.norms import BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
+
+# Layers that compute each sample from that sample alone, in training as in evaluation.
+PER_SAMPLE: tuple[type[nn.Module], ...] = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Identity, nn.Flatten, nn.GroupNorm, nn.LayerNorm,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Mish,
+    nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
+    ZeroPadShortcut)
+# Layers that couple a batch's samples in training, chunked by b; InstanceNorm only when it tracks running
+# statistics (their update averages over the batch), per sample otherwise.
+COUPLED: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, PreciseBatchNorm2d, MicroBatchEvalBatchNorm2d, BatchRenorm2d)
+INSTANCE: tuple[type[nn.Module], ...] = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
+class UnchunkableError(ValueError):
+    """A model with a layer `accumulate=batched` cannot compute exactly as the loop does."""
+
+
+def coupled_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every layer that couples the samples of a batch in training; refuses a model with a
+    layer gaexp does not know (see the module's docstring)."""
+    coupled = []
+    for name, m in model.named_modules():
+        own_state = any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+        if next(m.children(), None) is not None and not own_state:
+            continue  # a container: its layers are checked one by one
+        kind = type(m)
+        if kind in PER_SAMPLE or (kind in INSTANCE and not m.track_running_stats):
+            continue
+        if kind in COUPLED or kind in INSTANCE:
+            coupled.append((name, m))
+            continue
+        known = sorted({t.__name__ for t in (*PER_SAMPLE, *COUPLED, *INSTANCE)})
+        raise UnchunkableError(
+            f"accumulate=batched: layer {name or 'the model'!r} is a {kind.__module__}.{kind.__qualname__}, not a "
+            f"layer gaexp knows to be per sample or to chunk exactly (known: {', '.join(known)}); run "
+            "accumulate=loop")
+    return coupled
+
+
+def chunked(layer: nn.Module, b: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's training forward over chunks of b samples, one call per chunk, in order. (Computing the
+    chunks' statistics in one call, as channel groups of one ATen batch norm, was slower on the CPU and
+    rounded 5x coarser: docs/results.md.)"""
+    forward = layer.forward
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not layer.training or x.shape[0] == b:
+            return forward(x)
+        return torch.cat([forward(chunk) for chunk in x.split(b)])
+    return run
+
+
+class Chunking:
+    """While entered, the model's coupling layers take their input in chunks of b (`chunked`); outside, the
+    model is untouched (evaluation and PreciseBN's statistics passes see whole batches)."""
+
+    def __init__(self, model: nn.Module, b: int) -> None:
+        self.forwards = [(layer, chunked(layer, b)) for _, layer in coupled_layers(model)]
+
+    def __enter__(self) -> None:
+        for layer, forward in self.forwards:
+            layer.forward = forward
+
+    def __exit__(self, *exc: object) -> None:
+        for layer, _ in self.forwards:
+            del layer.forward
+
+
+def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[torch.Tensor], num_accum: int,
+                       chunking: Chunking) -> torch.Tensor:
+    """The loop's step (gaexp/train.py `accumulate`) in one pass: the next `num_accum` micro-batches' samples,
+    in order, one forward (coupling layers chunked) and one backward of their mean loss; returns that loss
+    as a device tensor (no host synchronization)."""
+    idx = torch.cat([next(batches) for _ in range(num_accum)])
+    with chunking:
+        loss = F.cross_entropy(model(to_input(data.images[idx])), data.labels[idx])
+    loss.backward()
+    return loss.detach()
