@@ -18,9 +18,11 @@ from mlflow.tracking import MlflowClient
 from gaexp.analysis import PARTS, training_runs
 from gaexp.config import ADDED_DEFAULTS
 
-MEASURED = {"wall_seconds", "samples_per_sec", "peak_rss_mb", "cuda_max_mem_mb"}  # vary run to run
+MEASURED = {"wall_seconds", "samples_per_sec", "peak_rss_mb", "cuda_max_mem_mb", "batched_peak_rss_mb",
+            "batched_cuda_max_mem_mb"}  # vary run to run
 PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat"}  # where and when, not what
-ADDED_TAGS = {tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()}  # tags runs recorded before them lack: this value
+ADDED_TAGS = {**{tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()},  # tags runs recorded before them lack:
+              "accumulate": ADDED_DEFAULTS["accumulate"]}  # this value
 
 
 def same_tag(name: str, left: str | None, right: str | None) -> bool:
