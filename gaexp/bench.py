@@ -1,15 +1,17 @@
-"""Benchmark: every norm's training and evaluation rates, eager beside compiled, and the grid they add up to.
+"""Benchmark: every norm's training and evaluation rates, eager beside compiled, the loop beside the batched
+engine, and the grid they add up to.
 
-For each norm and regime, gaexp's training loop (`accumulate` and Adam, as `train` runs them) is timed
-with compile=off (eager: the reference arithmetic) and with the `--compile` choice (default auto, what a
-sweep runs), interleaved, several times; the medians are reported. Evaluation likewise, per norm. Each
-compiled measurement starts as a cell does, with no graphs in memory, so its first step or pass is the
-per-cell compile cost (graphs come from Inductor's on-disk cache once a first cell made them); it is
-reported apart and added per cell. The grid estimate sums, over the norms, regimes and 3 seeds, each
-cell's training at its measured rate, its 12 evaluations of 10,000 images and that compile cost, and
-divides by the cells run at once. Process start and MLflow logging are left out: compare the
-estimate with a real grid (docs/results.md). `--naive` adds the usual tutorial loop (DataLoader,
-`.item()` every micro-step, NCHW, evaluation in batches of 32) as a third side.
+For each norm and regime, gaexp's training step (`accumulate` and Adam, as `train` runs them) is timed
+with compile=off (eager: the reference arithmetic), with the `--compile` choice (default auto, what a
+sweep runs), and with that choice under accumulate=batched (one pass over the b*k samples of a step,
+gaexp/batched.py), interleaved, several times; the medians are reported. Evaluation likewise, per norm
+(the same for both engines). Each compiled measurement starts as a cell does, with no graphs in memory, so
+its first step or pass is the per-cell compile cost (graphs come from Inductor's on-disk cache once a
+first cell made them); it is reported apart and added per cell. The grid estimate sums, over the norms,
+regimes and 3 seeds, each cell's training at its measured rate, its 12 evaluations of 10,000 images and
+that compile cost, and divides by the cells run at once. Process start and MLflow logging are left out:
+compare the estimate with a real grid (docs/results.md). `--naive` adds the usual tutorial loop
+(DataLoader, `.item()` every micro-step, NCHW, evaluation in batches of 32) as another side.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, regim
 from gaexp.data import DataError, data_config, datasets, ensure_data, torchvision_class
 from gaexp.model import load
 from gaexp.norms import norm2d
-from gaexp.train import accumulate, compile_phases, evaluate, resolve_device
+from gaexp.train import compile_phases, evaluate, resolve_device, step_function
 
 STUDY_NORMS = ("bn", "in", "gn4", "gn16", "none")
 OPTIONLESS_NORMS = (*STUDY_NORMS, "ln", "in_affine")  # the norms built without options
@@ -71,14 +73,16 @@ def model_and_forward(model_name: str, norm: str, device: torch.device,
 
 
 def training(data: Split, model_name: str, norm: str, b: int, k: int, samples: int, device: torch.device,
-             compiled: bool) -> tuple[float, float]:
-    """(samples/s of optimizer steps after the first, compiled: seconds of the first step beyond a steady one)."""
+             compiled: bool, engine: str = "loop") -> tuple[float, float]:
+    """(samples/s of optimizer steps after the first, compiled: seconds of the first step beyond a steady one);
+    `engine`: accumulate=loop or batched."""
     model, forward = model_and_forward(model_name, norm, device, compiled)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     batches = micro_batch_indices(len(data.labels), b, 0, device)
+    gradient = step_function(engine, model, b)
 
     def step() -> None:
-        accumulate(forward, data, batches, k)
+        gradient(forward, data, batches, k)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -220,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"inputs: model {args.model}; norms {','.join(args.norms)}; regimes {','.join(args.regimes)}; device {device}, "
           f"{args.threads} thread(s); {args.samples} training samples and {args.eval_images} test images per "
           f"measurement, {args.repeats} repeats after a warm-up, medians;\n        eager (compile=off) beside "
-          f"gaexp (compile={args.compile}); torch {torch.__version__}, {args.cores} cores")
+          f"gaexp (compile={args.compile}, accumulate=loop) beside batched (compile={args.compile}, "
+          f"accumulate=batched; gain: batched / gaexp);\n        torch {torch.__version__}, {args.cores} cores")
 
     rates: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}  # norm -> regime|eval -> side -> (rate, s)
     for norm in args.norms:
@@ -228,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rates[norm] = {}
         print(f"\n{norm}: compile={args.compile} compiles {' and '.join(sorted(phases, reverse=True)) or 'nothing'}")
         naive_column = f" {'naive':>9}" if args.naive else ""
-        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9}{naive_column}")
+        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9} {'batched':>9} {'gain':>6}{naive_column}")
         for name, (b, k) in [*args.regimes.items(), ("eval", (0, 0))]:
             if name == "eval":
                 measure = partial(evaluation, valid, args.model, norm, args.eval_images, device)
@@ -236,16 +241,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             else:
                 measure = partial(training, data, args.model, norm, b, k, args.samples, device)
                 naive = partial(naive_training, source, args.model, norm, b, k, args.samples)
+            compiled = ("eval" if name == "eval" else "train") in phases
             sides = {"eager": partial(measure, compiled=False)}
-            if ("eval" if name == "eval" else "train") in phases:
+            if compiled:
                 sides["gaexp"] = partial(measure, compiled=True)
+            if name != "eval":  # evaluation is the same for both engines
+                sides["batched"] = partial(measure, compiled=compiled, engine="batched")
             if args.naive:
                 sides["naive"] = naive
             measured = interleaved(args.repeats, sides)
             measured.setdefault("gaexp", measured["eager"])  # not compiled: gaexp's side is the eager loop
+            measured.setdefault("batched", measured["gaexp"])
             rates[norm][name] = measured
-            (eager, _), (fast, overhead) = measured["eager"], measured["gaexp"]
-            print(f"{name:8} {eager:>9.0f} {fast:>9.0f} {fast / eager:>5.2f}x {overhead:>9.1f}"
+            (eager, _), (fast, overhead), (batched, _) = measured["eager"], measured["gaexp"], measured["batched"]
+            print(f"{name:8} {eager:>9.0f} {fast:>9.0f} {fast / eager:>5.2f}x {overhead:>9.1f} {batched:>9.0f} "
+                  f"{batched / fast:>5.2f}x"
                   + (f" {measured['naive'][0]:>9.0f}" if args.naive else "")
                   + ("   images/s" if name == "eval" else "   samples/s"))
 
@@ -260,15 +270,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"\nEstimated grid ({len(args.norms)} norms x 4 regimes x {SEEDS} seeds, {ITERATIONS} steps, "
               f"{EVALS} evaluations of {VALID_IMAGES:,} images; {args.jobs} cells at once x {args.threads} thread(s); "
               "process start and logging left out):")
-        print(f"{'norm':8} {'eager h':>8} {'gaexp h':>8}")
-        totals = {"eager": 0.0, "gaexp": 0.0}
+        print(f"{'norm':8} {'eager h':>8} {'gaexp h':>8} {'batched h':>9}")
+        totals = {"eager": 0.0, "gaexp": 0.0, "batched": 0.0}
         for norm in args.norms:
             hours = {side: norm_grid_seconds({n: v[side] for n, v in rates[norm].items()}, args.jobs) / 3600
                      for side in totals}
             totals = {side: totals[side] + hours[side] * 3600 for side in totals}
-            print(f"{norm:8} {hours['eager']:>8.2f} {hours['gaexp']:>8.2f}")
-        print(f"{'total':8} {totals['eager'] / 3600:>8.2f} {totals['gaexp'] / 3600:>8.2f}"
-              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} min; "
+            print(f"{norm:8} {hours['eager']:>8.2f} {hours['gaexp']:>8.2f} {hours['batched']:>9.2f}")
+        print(f"{'total':8} {totals['eager'] / 3600:>8.2f} {totals['gaexp'] / 3600:>8.2f} {totals['batched'] / 3600:>9.2f}"
+              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} -> {totals['batched'] / 60:.0f} min; "
               "assumes cells scale across processes)")
 
 

@@ -162,6 +162,53 @@ def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell
         app.check(bad)
 
 
+def test_a_batched_cell_is_its_own_run_and_records_the_loops_memory_beside_its_own(tmp_path, compose):
+    loop = prepared(compose(*TINY, "norm=bn", "regime=bs4a4", "train.num_iterations=3", outputs=tmp_path))
+    run_cell(loop, sweep_id="s1")
+    batched = prepared(compose(*TINY, "norm=bn", "regime=bs4a4", "train.num_iterations=3", "accumulate=batched",
+                               outputs=tmp_path))
+    accuracy = run_cell(batched, sweep_id="s2")  # never skipped as the loop's FINISHED run: another protocol
+    client = MlflowClient(batched.mlflow.tracking_uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])}
+    assert sorted(runs) == ["batched-bn-bs4a4-s1", "bn-bs4a4-s1"]
+    run, loop_run = runs["batched-bn-bs4a4-s1"], runs["bn-bs4a4-s1"]
+    assert (run.data.tags["accumulate"], loop_run.data.tags["accumulate"]) == ("batched", "loop")
+    assert run.data.params["accumulate"] == "batched" and run.data.metrics["final_valid_acc"] == accuracy
+    memory = {k: v for k, v in run.data.metrics.items() if k.endswith("_mb")}
+    assert set(memory) == {"activation_mb", "batched_activation_mb", "batched_peak_rss_mb"}  # no loop peak
+    assert {k for k in loop_run.data.metrics if k.endswith("_mb")} == {"activation_mb", "peak_rss_mb"}
+    assert memory["activation_mb"] == loop_run.data.metrics["activation_mb"]  # what the loop holds, one micro-batch
+    assert 3.5 < memory["batched_activation_mb"] / memory["activation_mb"] < 4.5  # the 4 micro-batches of a step
+
+
+MEAN_NORM_FILE = """
+from torch import nn
+
+
+class MeanNorm(nn.Module):
+    def __init__(self, channels, **options):
+        super().__init__()
+
+    def forward(self, x):
+        return x - x.mean(dim=(0, 2, 3), keepdim=True)
+"""
+
+
+def test_a_layer_batched_cannot_chunk_is_refused_in_one_line_before_anything_runs(tmp_path, compose, monkeypatch):
+    (tmp_path / "mine_norms.py").write_text(MEAN_NORM_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mean_norm = ["norm=in_running", "norm.target=mine_norms:MeanNorm"]
+    (tmp_path / "mine" / "norm").mkdir(parents=True)
+    (tmp_path / "mine" / "norm" / "in_running.yaml").write_text(NORM_FILE)
+    searchpath = f"hydra.searchpath=[file://{tmp_path / 'mine'}]"
+    app.check(compose(*TINY, searchpath, *mean_norm, outputs=tmp_path / "out"))  # the loop runs any layer
+    with pytest.raises(ValueError, match=r"^accumulate=batched: layer 'features.1' is a mine_norms.MeanNorm, not a "
+                                         r"layer gaexp knows .*; run accumulate=loop$"):
+        prepare(compose(*TINY, searchpath, *mean_norm, "accumulate=batched", outputs=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # nothing written
+    app.check(compose(*TINY, searchpath, "norm=in_running", "accumulate=batched", outputs=tmp_path / "out"))
+
+
 def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_ones(tmp_path, compose, monkeypatch):
     """The wiring from data.holdout to the loop: what `train` receives, and what the run records. Images are
     numbered (tests: 255 - j), so each split says which images it holds."""

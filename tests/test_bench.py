@@ -28,13 +28,20 @@ def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(d
                           "16 training samples and 64 test images per measurement, 1 repeats")
     for norm in ("bn", "gn4", "none"):
         table = out.split(f"\n{norm}: compile=off compiles nothing\n")[1]
-        for name in ("bs1a1", "bs1a16", "bs4a4", "bs16a1", "eval"):
-            assert re.search(rf"^{name}\s+\d+\s+\d+\s+1\.00x\s+0\.0 ", table, re.M), table  # off: one loop
+        for name in ("bs1a1", "bs1a16", "bs4a4", "bs16a1", "eval"):  # off: gaexp's side is the eager loop
+            found = re.search(rf"^{name}\s+\d+\s+(\d+)\s+1\.00x\s+0\.0\s+(\d+)\s+(\d+\.\d\d)x", table, re.M)
+            assert found, table
+            loop, batched, gain = found.groups()
+            assert float(gain) == pytest.approx(int(batched) / int(loop), abs=0.02)
+            if name == "eval":  # evaluation does not depend on the engine
+                assert batched == loop and gain == "1.00"
     assert re.search(r"^none\s+1\.00x\s+1\.00x\s+1\.00x\s+1\.00x\s+1\.00x$", out, re.M)
     assert re.search(r"^gn4(\s+\d+\.\d\dx){5}$", out, re.M)
-    rows = {m[1]: (float(m[2]), float(m[3])) for m in re.finditer(r"^(bn|gn4|none|total)\s+(\d+\.\d\d)\s+(\d+\.\d\d)",
-                                                                 out.split("Estimated grid")[1], re.M)}
-    assert rows["total"][0] == pytest.approx(sum(rows[n][0] for n in ("bn", "gn4", "none")), abs=0.02)
+    rows = {m[1]: [float(v) for v in m.groups()[1:]]
+            for m in re.finditer(r"^(bn|gn4|none|total)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)",
+                                 out.split("Estimated grid")[1], re.M)}
+    for side in range(3):  # eager, gaexp, batched
+        assert rows["total"][side] == pytest.approx(sum(rows[n][side] for n in ("bn", "gn4", "none")), abs=0.02)
 
 
 @pytest.mark.slow
