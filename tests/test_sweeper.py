@@ -9,7 +9,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from gaexp import tuning
+from gaexp import app, tuning
 from hydra_plugins.gaexp_optuna_sweeper import sweeper
 from hydra_plugins.gaexp_optuna_sweeper.config import PrunerConf, SamplerConf
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import make_pruner, make_sampler, open_storage, split_arguments
@@ -211,3 +211,12 @@ def test_too_many_failed_trials_stop_the_study(tmp_path, gaexp_command, training
     assert [t.state for t in study_of(tmp_path, "t").trials] == [TrialState.FAIL]
     _, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
     assert [(name, run.info.status) for name, run in runs.items()] == [("gn4-bs16a1-s1-t0", "FAILED")]
+
+
+def test_the_documented_search_command_composes_with_gaexps_optuna_sweeper_and_either_engine(compose):
+    """docs/usage.md's search: the sweeper named on the command line (Hydra lets conf/config.yaml's gaexp_grid
+    win over the study file's own choice), and accumulate=batched passes through to every trial."""
+    cfg = compose("hydra/sweeper=gaexp_optuna", "+experiment=tune_lr", "accumulate=batched", hydra=True)
+    assert cfg.hydra.sweeper._target_ == "hydra_plugins.gaexp_optuna_sweeper.sweeper.OptunaSweeper"
+    assert (cfg.hydra.sweeper.study_name, cfg.hydra.sweeper.grid.norm) == ("tune_lr", "bn,in,gn4")
+    assert app.check(app.job_config(cfg)).accumulate == "batched"
