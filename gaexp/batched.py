@@ -73,15 +73,14 @@ def chunked(layer: nn.Module, b: int) -> Callable[[torch.Tensor], torch.Tensor]:
     forward = layer.forward
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if not layer.training or x.shape[0] == b:
-            return forward(x)
         return torch.cat([forward(chunk) for chunk in x.split(b)])
     return run
 
 
 class Chunking:
-    """While entered, the model's coupling layers take their input in chunks of b (`chunked`); outside, the
-    model is untouched (evaluation and PreciseBN's statistics passes see whole batches)."""
+    """While entered (a training step's forward), the model's coupling layers take their input in chunks of b
+    (`chunked`); outside, the model is untouched (evaluation and PreciseBN's statistics passes see whole
+    batches)."""
 
     def __init__(self, model: nn.Module, b: int) -> None:
         self.forwards = [(layer, chunked(layer, b)) for _, layer in coupled_layers(model)]

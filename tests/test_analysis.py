@@ -423,6 +423,23 @@ def test_memory_table_per_regime(tmp_path):
     assert "| bs1a16 | 1 | 16 | 2 | 0.062 | 0.50 | 450 | 15 | 1000 |" in (tmp_path / "r" / "table.md").read_text()
 
 
+def test_a_batched_grids_memory_table_keeps_the_loops_activations_and_adds_its_own(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    for regime, act in (("bs16a1", 8.0), ("bs1a16", 0.5)):
+        for seed, rss in ((1, 1200.0), (2, 1300.0)):
+            add_run(client, experiment_id, "gn4", regime, seed, (0.9, 0.9, 0.9),
+                    summary={"activation_mb": act, "batched_activation_mb": 8.0, "samples_per_sec": 900.0,
+                             "wall_seconds": 10.0, "batched_peak_rss_mb": rss})
+    collected = collect(client, "gaexp")
+    memory = analysis.memory_table(collected.runs, STUDY)
+    assert memory.loc["bs1a16", ["activation_mb", "activation_vs_bs16a1", "batched_activation_mb"]].tolist() == \
+        [0.5, 0.5 / 8.0, 8.0]
+    assert memory.loc["bs1a16", "batched_peak_rss_mb"] == 1300.0 and "peak_rss_mb" not in memory.columns
+    assert "| bs1a16 | 1 | 16 | 2 | 0.062 | 0.50 | 900 | 10 | 8.00 | 1300 |" in analysis.format_memory(memory)
+
+
 def test_trial_runs_in_the_same_store_and_sweep_never_enter_the_grid_report(store):
     """An Optuna search logs its trials as training runs (tags norm, regime, seed) into the same experiment,
     here even under the grid's sweep id: the grid's table and runs stay the grid's."""

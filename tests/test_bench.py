@@ -9,6 +9,7 @@ import torch
 
 from gaexp import bench
 from gaexp.model import ResNet20, SimpleModel
+from gaexp.train import step_function
 
 
 def test_a_norms_grid_seconds_by_hand():
@@ -20,7 +21,9 @@ def test_a_norms_grid_seconds_by_hand():
     assert bench.norm_grid_seconds(rates, jobs=2) == pytest.approx(3 * (train + evals + overhead) / 2)
 
 
-def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(data_root, capsys):
+def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(data_root, capsys, monkeypatch):
+    engines = []
+    monkeypatch.setattr(bench, "step_function", lambda engine, *a: engines.append(engine) or step_function(engine, *a))
     bench.main(["--norms", "bn,gn4,none", "--compile", "off", "--samples", "16", "--repeats", "1",
                 "--eval-images", "64", "--jobs", "2", "--data-root", str(data_root)])
     out = capsys.readouterr().out
@@ -40,6 +43,7 @@ def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(d
     rows = {m[1]: [float(v) for v in m.groups()[1:]]
             for m in re.finditer(r"^(bn|gn4|none|total)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)",
                                  out.split("Estimated grid")[1], re.M)}
+    assert engines.count("batched") == engines.count("loop") == 3 * 4 * 2  # per norm and regime: a warm-up, a repeat
     for side in range(3):  # eager, gaexp, batched
         assert rows["total"][side] == pytest.approx(sum(rows[n][side] for n in ("bn", "gn4", "none")), abs=0.02)
 
