@@ -163,22 +163,28 @@ def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell
 
 
 def test_a_batched_cell_is_its_own_run_and_records_the_loops_memory_beside_its_own(tmp_path, compose):
-    loop = prepared(compose(*TINY, "norm=bn", "regime=bs4a4", "train.num_iterations=3", outputs=tmp_path))
-    run_cell(loop, sweep_id="s1")
-    batched = prepared(compose(*TINY, "norm=bn", "regime=bs4a4", "train.num_iterations=3", "accumulate=batched",
+    """gn4 couples no samples: batched bs1a16 is one pass over the 16 samples of bs16a1, the same run to the
+    last bit (the loop's bs1a16 sums 16 passes and rounds otherwise)."""
+    for regime in ("bs1a16", "bs16a1"):
+        run_cell(prepared(compose(*TINY, "norm=gn4", f"regime={regime}", "train.num_iterations=3", outputs=tmp_path)),
+                 sweep_id="s1")
+    batched = prepared(compose(*TINY, "norm=gn4", "regime=bs1a16", "train.num_iterations=3", "accumulate=batched",
                                outputs=tmp_path))
     accuracy = run_cell(batched, sweep_id="s2")  # never skipped as the loop's FINISHED run: another protocol
     client = MlflowClient(batched.mlflow.tracking_uri)
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])}
-    assert sorted(runs) == ["batched-bn-bs4a4-s1", "bn-bs4a4-s1"]
-    run, loop_run = runs["batched-bn-bs4a4-s1"], runs["bn-bs4a4-s1"]
+    assert sorted(runs) == ["batched-gn4-bs1a16-s1", "gn4-bs16a1-s1", "gn4-bs1a16-s1"]
+    run, loop_run, true_batch = runs["batched-gn4-bs1a16-s1"], runs["gn4-bs1a16-s1"], runs["gn4-bs16a1-s1"]
     assert (run.data.tags["accumulate"], loop_run.data.tags["accumulate"]) == ("batched", "loop")
     assert run.data.params["accumulate"] == "batched" and run.data.metrics["final_valid_acc"] == accuracy
+    losses = {name: [m.value for m in client.get_metric_history(r.info.run_id, "train_loss")]
+              for name, r in (("batched", run), ("loop", loop_run), ("true", true_batch))}
+    assert losses["batched"] == losses["true"] != losses["loop"]
     memory = {k: v for k, v in run.data.metrics.items() if k.endswith("_mb")}
     assert set(memory) == {"activation_mb", "batched_activation_mb", "batched_peak_rss_mb"}  # no loop peak
     assert {k for k in loop_run.data.metrics if k.endswith("_mb")} == {"activation_mb", "peak_rss_mb"}
     assert memory["activation_mb"] == loop_run.data.metrics["activation_mb"]  # what the loop holds, one micro-batch
-    assert 3.5 < memory["batched_activation_mb"] / memory["activation_mb"] < 4.5  # the 4 micro-batches of a step
+    assert memory["batched_activation_mb"] == true_batch.data.metrics["activation_mb"]  # the 16 samples of a step
 
 
 MEAN_NORM_FILE = """

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-from gaexp.batched import Chunking, UnchunkableError, coupled_layers
+from gaexp.batched import Chunking, UnchunkableError, accumulate_batched, coupled_layers
 from gaexp.batches import micro_batch_indices
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import BatchRenorm2d, layer
-from gaexp.train import step_function
+from gaexp.train import accumulate, step_function
 
 MODELS = {"simple": SimpleModel, "resnet20": ResNet20}
 GRID_NORMS = ["bn", "in", "gn4", "gn16", "none"]
@@ -199,6 +199,18 @@ def test_a_layer_gaexp_does_not_know_is_refused_in_one_line():
         coupled_layers(nn.Sequential(nn.Linear(3, 3), nn.Dropout()))
     with pytest.raises(UnchunkableError, match="layer 'the model'"):
         coupled_layers(MeanOverBatch())
+    with pytest.raises(UnchunkableError, match=r"layer '0' is a test_batched.ScaledByBatch"):  # its own forward and
+        coupled_layers(nn.Sequential(ScaledByBatch()))  # parameter beside children: not read as a composition
+
+
+class ScaledByBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.gain = nn.Conv2d(1, 4, 3), nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.gain * y / y.std()
 
 
 def test_the_coupling_layers_are_the_batchnorms_and_instancenorm_with_running_statistics():
@@ -218,3 +230,11 @@ def test_chunking_leaves_the_model_untouched_outside_a_step(train_split):
     with chunking:
         assert "forward" in vars(bn)
     assert "forward" not in vars(bn) and bn.forward.__func__ is nn.BatchNorm2d.forward
+
+
+def test_the_engines_by_name():
+    net = build("bn", 4, 4, float64=False)
+    assert step_function("loop", net, 4) is accumulate
+    assert step_function("batched", net, 4).func is accumulate_batched
+    with pytest.raises(ValueError, match=r"^accumulate='ghost'; valid: loop, batched$"):
+        step_function("ghost", net, 4)
