@@ -103,7 +103,9 @@ def test_a_cancelled_task_fails_its_cell_alone_and_the_same_command_redoes_only_
     has marked its run KILLED; run again, it trains that cell only."""
     uri, _ = server
     overrides = [*SLURM, f"mlflow.tracking_uri={uri}", "mlflow.experiment_name=slurm-cancel", "norm=gn4",
-                 "regime=bs16a1,bs4a4", "train.num_iterations=150", "train.eval_period=150"]
+                 "regime=bs16a1,bs4a4", "train.num_iterations=600", "train.eval_period=600"]  # seconds of
+    # training: the victim must still be running when the test, having seen it RUNNING, cancels it (at 150 steps
+    # a fast machine finished it in between: seen FINISHED, not KILLED)
     first = subprocess.Popen(gaexp_argv(tmp_path, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
