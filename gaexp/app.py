@@ -53,14 +53,13 @@ def check(cfg: DictConfig) -> Config:
     ranges (gaexp/config.py), the norm's options against the model (e.g. norm.groups against its channels),
     a compile that cannot run, a model accumulate=batched cannot chunk, and for a search an objective without a value."""
     c = typed(cfg)
-    check_model(c)
+    model = check_model(c)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
     compile_phases(c.compile, c.norm.name, device)
     if c.accumulate == "batched":  # a layer it cannot chunk exactly is refused here, not run approximately
-        with torch.random.fork_rng(devices=[]):
-            coupled_layers(make_model(c))
+        coupled_layers(model)
     if c.optuna.study is not None:  # a trial: what it will return must exist
         tuning.check_objective(c.train.num_iterations, c.analysis)
     return c

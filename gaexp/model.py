@@ -134,15 +134,18 @@ def check_output(model: nn.Module, target: str, in_channels: int, num_classes: i
 
 # --- the model of a cell's config ---------------------------------------------------------------------
 
-def check_model(c: Config) -> None:
+def check_model(c: Config) -> torch.nn.Module:
     """The model loads from its import path with gaexp's arguments, the norm's options fit its channels
-    (norm.groups), and a batch gives one logit per class; the global RNG is left as it was."""
+    (norm.groups), and a batch gives one logit per class; returns the model so checked (for further checks),
+    the global RNG left as it was."""
     make = load(c.model.target)
     channels = norm_channels(make, IN_CHANNELS, NUM_CLASSES)
     norms.check_channels(c.norm.options(), channels, c.model.name)
     norms.check_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
-        check_output(make_model(c, make), c.model.target, IN_CHANNELS, NUM_CLASSES)
+        model = make_model(c, make)
+    check_output(model, c.model.target, IN_CHANNELS, NUM_CLASSES)
+    return model
 
 
 def make_model(c: Config, make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -36,6 +37,17 @@ if os.environ.get("GAEXP_TEST_CPUS") or os.environ.get("GAEXP_TEST_CPU_QUOTA"):
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
 # The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report.
 TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off", "analysis.window_start=0"]
+
+
+class Float64(torch.nn.Module):
+    """`model` in float64, fed the float32 images it would get."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.double())
 
 
 @pytest.fixture(scope="session")

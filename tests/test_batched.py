@@ -22,6 +22,7 @@ from gaexp.batches import micro_batch_indices
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import BatchRenorm2d, layer
 from gaexp.train import accumulate, step_function
+from tests.conftest import Float64
 
 MODELS = {"simple": SimpleModel, "resnet20": ResNet20}
 GRID_NORMS = ["bn", "in", "gn4", "gn16", "none"]
@@ -40,17 +41,6 @@ def norm_layer(norm: str, b: int, k: int):
                "bn_precise": {"stats_batch_size": 16, "stats_samples": 64},
                "bn_microeval": {"micro_batch": b}}.get(norm, {})
     return layer(norm, **options)
-
-
-class Float64(nn.Module):
-    """`model` in float64, fed the float32 images it would get."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model.double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x.double())
 
 
 def build(norm: str, b: int, k: int, model: str = "simple", float64: bool = True) -> nn.Module:

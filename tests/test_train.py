@@ -14,23 +14,13 @@ from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import layer
 from gaexp import train as train_module
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device, train
+from tests.conftest import Float64
 
 
 MODELS = {"simple": SimpleModel, "resnet20": ResNet20}
 # Models whose gradient tests run in float64: 19 InstanceNorm or GroupNorm layers deep, float32 rounding of
 # a batch of 16 against 16 batches of 1 grows to 1e-3 of the gradient (float64: 3e-16, i.e. exact arithmetic).
 IN_FLOAT64 = {"resnet20"}
-
-
-class Float64(torch.nn.Module):
-    """`model` in float64, fed the float32 images it would get."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model.double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x.double())
 
 
 def model_for(norm: str, seed: int = 1, model: str = "simple", **options: int) -> torch.nn.Module:
