@@ -75,6 +75,7 @@ def prepare(cfg: DictConfig) -> str:
     c = check(job_config(cfg))
     if is_search(cfg):  # before any trial
         tuning.check_objective(c.train.num_iterations, c.analysis)
+        tuning.check_direction(cfg.hydra.sweeper.direction)
     tracking.check_server(c.mlflow.tracking_uri)
     ensure_data(c.data)
     check_num_train(c.data)

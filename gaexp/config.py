@@ -260,6 +260,8 @@ class OptunaTrialConfig:
     storage: Optional[str] = key(None, "the study's storage: an RDB URL or a journal file")
     study: Optional[str] = key(None, "the study this run is a trial of")
     trial: Optional[int] = key(None, "the trial's number in its study")
+    repeat: int = key(0, "which of the trial's repeats this run is (hydra.sweeper.repeats)", valid=number(0))
+    repeats: int = key(1, "how many runs the trial has; it reports their mean", valid=number(1))
 
 
 TRACKING_URI: Rule = (lambda v: v.startswith(("sqlite:///", "http://", "https://", "databricks")),
@@ -413,6 +415,9 @@ def leaves(runtime: bool) -> List[str]:
     return [name for name, _, is_runtime in schema_leaves(Config) if is_runtime == runtime]
 
 
+OBJECTIVE_KEYS = ("analysis.objective", "analysis.window_start")  # no run's result, but what an Optuna trial returns
+
+
 def runtime_keys() -> List[str]:
     """Keys that never change a result: out of the protocol key and of sweep folder names."""
     return leaves(runtime=True)
@@ -461,7 +466,8 @@ def register() -> None:
     `${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
     `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.device_type:auto}`: cpu or cuda, here. `${gaexp.div:a,b}`: a // b, at least 1.
     `${gaexp.mul:a,b}`: a product (the effective batch size b x k).
-    `${gaexp.runtime_keys:}`: the runtime keys and preset groups, for hydra.job.config.override_dirname."""
+    `${gaexp.runtime_keys:}`: the runtime keys and preset groups, for hydra.job.config.override_dirname (which
+    the Optuna sweeper also reads: keys that do not make a study another question), but the objective's keys."""
     store = ConfigStore.instance()
     store.store(name="gaexp_schema", node=Config)
     for kind, schema in NORM_SCHEMAS.items():
@@ -472,7 +478,7 @@ def register() -> None:
         "gaexp.device_type": device_type,
         "gaexp.div": lambda a, b: max(1, a // b),
         "gaexp.mul": lambda *xs: math.prod(xs),
-        "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *runtime_keys()],
+        "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *(k for k in runtime_keys() if k not in OBJECTIVE_KEYS)],
     }
     for name, resolver in resolvers.items():
         OmegaConf.register_new_resolver(name, resolver, replace=True)

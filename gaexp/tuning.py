@@ -22,23 +22,25 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import optuna  # noqa: E402
-from hydra_plugins.gaexp_optuna_sweeper.sweeper import open_storage, open_trial  # noqa: E402
-from mlflow.entities import Metric, RunTag  # noqa: E402
+from hydra_plugins.gaexp_optuna_sweeper._impl import REPEATS, open_storage, open_trial, report  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from gaexp.config import AnalysisConfig, OptunaTrialConfig, protocol_part  # noqa: E402
+from gaexp.config import AnalysisConfig, OptunaTrialConfig  # noqa: E402
 from gaexp.hooks import EvalPoint, Hook, Stopped  # noqa: E402
 
 
 class ReportToTrial(Hook):
-    """After each evaluation: report `valid_acc` at its step; stop training if the trial should be pruned."""
+    """After each evaluation: report `valid_acc` at its step (a trial of several repeats: their mean, once
+    each has reported the step); stop training if the trial should be pruned."""
 
     def __init__(self, trial_config: OptunaTrialConfig) -> None:
         self.trial = open_trial(trial_config.storage, trial_config.study, trial_config.trial)
+        self.repeat, self.repeats = trial_config.repeat, trial_config.repeats
 
     def after_eval(self, point: EvalPoint) -> None:
-        self.trial.report(point.valid_acc, point.step)
+        report(self.trial, self.repeat, self.repeats, point.step, point.valid_acc)
         if self.trial.should_prune():
             raise Stopped(point.step, f"pruned by Optuna (valid_acc {point.valid_acc:.4f})")
 
@@ -61,6 +63,14 @@ def check_objective(num_iterations: int, design: AnalysisConfig) -> None:
                          "value; lower analysis.window_start or set analysis.objective=final")
 
 
+def check_direction(direction: str) -> None:
+    """A trial returns an accuracy: the search maximizes it. The Optuna sweeper's default direction, as the
+    official plugin's, is minimize, which would find the worst learning rate."""
+    if direction != "maximize":
+        raise ValueError(f"hydra.sweeper.direction={direction}: a gaexp trial returns a validation accuracy "
+                         "(analysis.objective); valid: hydra.sweeper.direction=maximize")
+
+
 def describe_objective(design: AnalysisConfig) -> str:
     """The objective in words, as the study's parent run records it."""
     if design.objective == "final":
@@ -72,10 +82,12 @@ def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
     """The MLflow tags of a trial run (none for a run that is no trial)."""
     if trial_config.study is None:
         return {}
-    return {"optuna.study": trial_config.study, "optuna.trial": str(trial_config.trial)}
+    tags = {"optuna.study": trial_config.study, "optuna.trial": str(trial_config.trial)}
+    return tags | ({"optuna.repeat": str(trial_config.repeat)} if trial_config.repeats > 1 else {})
 
 
 STUDY_ROLE = "study"  # tag gaexp.role of a study's parent run
+TRIAL_ROLE = "trial"  # tag gaexp.role of a trial's run when the trial has repeats (their runs its children)
 
 
 def report_studies(client: MlflowClient, experiment_id: str, results: Path, design: AnalysisConfig) -> list[str]:
@@ -103,15 +115,44 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path, desi
                 for path in plots(study, Path(tmp)):
                     client.log_artifact(parent, str(path))
         states = {str(t.number): t.state.name for t in study.trials}
-        for run in client.search_runs([experiment_id], f"tags.`optuna.study` = '{name}'", max_results=50_000):
-            if run.data.tags.get("gaexp.role") == STUDY_ROLE:
+        runs = client.search_runs([experiment_id], f"tags.`optuna.study` = '{name}'", max_results=50_000)
+        parents = trial_runs(client, experiment_id, name, study, runs, parent)
+        for run in runs:
+            if run.data.tags.get("gaexp.role") in (STUDY_ROLE, TRIAL_ROLE):
                 continue
-            wanted = {"mlflow.parentRunId": parent, "optuna.state": states.get(run.data.tags.get("optuna.trial"), "")}
+            number = run.data.tags.get("optuna.trial")
+            wanted = {"mlflow.parentRunId": parents.get(number, parent), "optuna.state": states.get(number, "")}
             changed = [RunTag(tag, value) for tag, value in wanted.items() if run.data.tags.get(tag) != value]
             if changed:
                 client.log_batch(run.info.run_id, tags=changed)
         client.set_terminated(parent, "FINISHED")
     return list(summary.studies)
+
+
+def trial_runs(client: MlflowClient, experiment_id: str, name: str, study: optuna.Study, runs: list,
+               parent: str) -> dict[str, str]:
+    """A run per trial that has repeats (found again on later sweeps), under the study's run: its params,
+    state, and value (the mean of its repeats, each a metric too); returns {trial number: its run id}, under
+    which its repeats' runs go."""
+    found = {r.data.tags.get("optuna.trial"): r.info.run_id for r in runs if r.data.tags.get("gaexp.role") == TRIAL_ROLE}
+    made = {}
+    for trial in study.trials:
+        repeats = trial.user_attrs.get(REPEATS)
+        if not repeats:
+            continue
+        number = str(trial.number)
+        run_id = found.get(number) or client.create_run(experiment_id, run_name=f"trial-{trial.number}", tags={
+            "gaexp.role": TRIAL_ROLE, "optuna.study": name, "optuna.trial": number,
+            "mlflow.parentRunId": parent}).info.run_id
+        now = int(time.time() * 1000)
+        values = {f"value.{k}": v for k, v in repeats.items() if v is not None}
+        values |= {"value": trial.value} if trial.value is not None else {}
+        client.log_batch(run_id, metrics=[Metric(k.replace("=", "_"), float(v), now, 0) for k, v in values.items()],
+                         params=[] if number in found else [Param(k, str(v)) for k, v in trial.params.items()],
+                         tags=[RunTag("optuna.state", trial.state.name)])
+        client.set_terminated(run_id, "FINISHED")
+        made[number] = run_id
+    return made
 
 
 def plots(study: optuna.Study, out: Path) -> list[Path]:
@@ -132,12 +173,24 @@ def plots(study: optuna.Study, out: Path) -> list[Path]:
     return written
 
 
+RERUN_DROPPED = ("optuna.", "seed=", "+seed=", "data.holdout=", "+data.holdout=", "hydra/sweeper=")
+
+
+def rerun_overrides(trial_overrides: list[str], seeds: str, extra: list[str]) -> list[str]:
+    """The command line that reruns a trial's exact protocol on the test set: the trial's own overrides
+    (its dataset, model, budget, sampled values, ...) without its trial node, seed and holdout, then
+    the test split, the seeds, gaexp's grid sweeper (the search's experiment file may name the Optuna one)
+    and the caller's extra overrides."""
+    kept = [line for line in trial_overrides if not line.startswith(RERUN_DROPPED)]
+    return [*kept, "data.holdout=0", f"seed={seeds}", "hydra/sweeper=gaexp_grid", *extra]
+
+
 def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, seeds: str,
                    extra: list[str]) -> list[tuple[str, dict, list[str]]]:
-    """Per study of `study_prefix`: (study, best trial as found, the command that reruns its cell at
-    the best values on the test set with `seeds`). The protocol comes from the best trial's own run
-    (its logged config), so the budget and every other key are the trial's; only the evaluation
-    split (data.holdout=0) and the seeds change."""
+    """Per study of `study_prefix`: (study, best trial as found, the command that reruns it at the best
+    values on the test set with `seeds`). The protocol is the best trial's: its logged Hydra overrides
+    (the run's hydra/overrides.yaml artifact), so the dataset, model, budget and every other key are the
+    trial's; only the evaluation split (data.holdout=0) and the seeds change."""
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ValueError(f"no experiment {experiment!r} in {client.tracking_uri}")
@@ -148,19 +201,21 @@ def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, see
         if not (name == study_prefix or name.startswith(f"{study_prefix}[")) or "best_trial" not in parent.data.metrics:
             continue
         number = int(parent.data.metrics["best_trial"])
-        (best,) = client.search_runs([found.experiment_id], f"tags.`optuna.study` = '{name}' and "
-                                                           f"tags.`optuna.trial` = '{number}' and attributes.status = 'FINISHED'")
+        runs = [r for r in client.search_runs([found.experiment_id], f"tags.`optuna.study` = '{name}' and "
+                                              f"tags.`optuna.trial` = '{number}' and attributes.status = 'FINISHED'")
+                if r.data.tags.get("gaexp.role") != TRIAL_ROLE]
+        if not runs:
+            raise ValueError(f"study {name}: no FINISHED run of its best trial {number} in experiment {experiment!r}")
         with tempfile.TemporaryDirectory() as tmp:
-            config = OmegaConf.to_container(OmegaConf.load(client.download_artifacts(best.info.run_id, "config.yaml", tmp)))
-        protocol = protocol_part(config)
-        overrides = [f"norm={protocol['norm']['name']}",
-                     *(f"norm.{k}={v}" for k, v in protocol["norm"].items() if k != "name"),
-                     *(f"regime.{k}={v}" for k, v in protocol["regime"].items()),
-                     *(f"train.{k}={v!r}" for k, v in protocol["train"].items()),
-                     f"device={protocol['device']}", "data.holdout=0", f"seed={seeds}", *extra]
+            try:
+                path = client.download_artifacts(runs[0].info.run_id, "hydra/overrides.yaml", tmp)
+            except Exception as e:  # noqa: BLE001 - MLflow raises its own kinds for a missing artifact
+                raise ValueError(f"study {name}: best trial {number}'s run {runs[0].info.run_id} has no logged "
+                                 f"overrides (hydra/overrides.yaml): {e}") from None
+            overrides = list(OmegaConf.load(path))
         outcome = {"trial": number, "value": parent.data.metrics["best_value"],
                    **{k.removeprefix("best."): v for k, v in parent.data.tags.items() if k.startswith("best.")}}
-        commands.append((name, outcome, overrides))
+        commands.append((name, outcome, rerun_overrides(overrides, seeds, extra)))
     if not commands:
         raise ValueError(f"no finished study {study_prefix}[...] in experiment {experiment!r} (run the search first)")
     return commands

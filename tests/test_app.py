@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from gaexp import app, batches, data, progress
 from gaexp import train as train_module
 from gaexp.app import prepare, run_cell, threads_for
-from hydra_plugins.gaexp_optuna_sweeper.sweeper import open_storage
+from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
 from tests.conftest import TINY
 
 
@@ -64,14 +64,16 @@ def test_a_trial_returns_the_reports_windowed_mean_or_the_final_accuracy(tmp_pat
 
 
 def test_a_search_refuses_a_window_its_trials_never_reach(tmp_path, compose):
-    cfg = compose(*TINY, "hydra/sweeper=gaexp_optuna", "train.num_iterations=250", "analysis.window_start=250",
+    cfg = compose(*TINY, "hydra/sweeper=gaexp_optuna", "hydra.sweeper.direction=maximize", "train.num_iterations=250",
+                  "analysis.window_start=250",
                   outputs=tmp_path, hydra=True)  # the last evaluation at step 250 is not after 250
     with pytest.raises(ValueError, match=r"analysis.window_start=250: a trial of train.num_iterations=250 has no "
                                          r"evaluation after it, so analysis.objective=window has no value; lower "
                                          r"analysis.window_start or set analysis.objective=final"):
         prepare(cfg)
     assert not (tmp_path / "mlflow.db").exists()  # refused before the store is made
-    prepare(compose(*TINY, "hydra/sweeper=gaexp_optuna", "train.num_iterations=200", "analysis.window_start=250",
+    prepare(compose(*TINY, "hydra/sweeper=gaexp_optuna", "hydra.sweeper.direction=maximize", "train.num_iterations=200",
+                    "analysis.window_start=250",
                     "analysis.objective=final", outputs=tmp_path, hydra=True))  # the final evaluation always exists
     prepare(compose(*TINY, "train.num_iterations=200", "analysis.window_start=250", outputs=tmp_path,
                     hydra=True))  # a grid: its report says what it lacks; no trial returns a window

@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from gaexp import tracking
-from gaexp.config import (PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
+from gaexp.config import (OBJECTIVE_KEYS, PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
                           runtime_keys, typed)
 from gaexp.configdocs import markdown_table
 from gaexp.machine import cgroup_cpus, usable_cores
@@ -201,7 +201,10 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert PROTOCOL_COLUMNS == ["model.name", "model.target", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "accumulate", "data.dataset", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
-    assert list(excluded) == ["launch", "experiment", *runtime]
+    # a sweep folder's name, and an Optuna study's identity, leave out the runtime keys but those deciding what a
+    # trial returns
+    assert list(excluded) == ["launch", "experiment", *(k for k in runtime if k not in OBJECTIVE_KEYS)]
+    assert set(OBJECTIVE_KEYS) == {"analysis.objective", "analysis.window_start"} <= set(runtime)
     resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu"), resolve=True)
     assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}  # data.holdout=0, cpu: out
     assert protocol_part(resolved)["norm"] == {"name": "gn", "groups": 8}

@@ -1,22 +1,28 @@
-"""The gaexp_optuna sweeper: the param forms, bad input, and real studies through the public command."""
+"""The gaexp_optuna sweeper: the param forms, the sampler and pruner groups, bad input, study identity,
+liveness, repeats, and real studies through the public command."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import os
+import signal
 import subprocess
+import sys
+import time
 
 import optuna
 import pytest
+from hydra.utils import get_class
+from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from gaexp import app, tuning
-from hydra_plugins.gaexp_optuna_sweeper import sweeper
-from hydra_plugins.gaexp_optuna_sweeper.config import PrunerConf, SamplerConf
-from hydra_plugins.gaexp_optuna_sweeper.sweeper import make_pruner, make_sampler, open_storage, split_arguments
+from hydra_plugins.gaexp_optuna_sweeper import _impl as sweeper
+from hydra_plugins.gaexp_optuna_sweeper.config import PRUNERS, SAMPLERS
+from hydra_plugins.gaexp_optuna_sweeper._impl import make_pruner, make_sampler, open_storage, split_arguments
 from tests.conftest import kill_when
-
-# Hydra's plugin scan executes the module again (in the same module object), so its classes are read
-# from the module at each use, never bound at import: `sweeper.SweeperError`.
 
 
 @pytest.mark.parametrize("form, expected", [
@@ -38,13 +44,21 @@ def test_fixed_values_and_grid_axes():
     space, fixed, axes = split_arguments({"train.lr": "0.01"}, {"norm": "bn,in", "regime": "bs1a16"},
                                          ["seed=2", "train.num_iterations=40", "norm=bn,gn4", "train.eval_period=choice(10,20)"])
     assert fixed == {"train.lr": "0.01", "seed": "2", "train.num_iterations": "40"}
-    assert axes == [["norm=bn", "norm=gn4"], ["regime=bs1a16"]]  # the command line wins; a one-value grid key stays an axis
+    assert axes == [["norm=bn", "norm=gn4"], ["regime=bs1a16"]]  # a grid key stays an axis wherever it is given
     assert space == {"train.eval_period": CategoricalDistribution([10, 20])}
+
+
+def test_a_comma_list_on_the_command_line_is_a_choice_as_in_the_official_plugin():
+    """hydra-optuna-sweeper reads `x=1,2,3` as choice(1, 2, 3); gaexp read it as a grid axis of separate
+    studies. Grid axes are now only the keys of hydra.sweeper.grid."""
+    space, fixed, axes = split_arguments({}, {}, ["norm=bn,in", "train.eval_period=10,20"])
+    assert space == {"norm": CategoricalDistribution(["bn", "in"]), "train.eval_period": CategoricalDistribution([10, 20])}
+    assert fixed == {} and axes == []
 
 
 BAD = {
     "unknown syntax": ({"train.lr": "intervl(1, 2)"}, r"train.lr='intervl\(1, 2\)' is not a value or a sweep .*valid: "
-                                                     r"choice\(a, b, ...\), interval\(a, b\)"),
+                                                     r"choice\(a, b, ...\) or a,b,..., interval\(a, b\)"),
     "inverted interval": ({"train.lr": "interval(0.1, 0.01)"}, r"train.lr=interval\(0.1, 0.01\): an empty or inverted "
                                                               r"interval; valid: interval\(a, b\) with a < b"),
     "empty interval": ({"train.lr": "interval(0.1, 0.1)"}, r"an empty or inverted interval"),
@@ -62,54 +76,263 @@ def test_bad_param_forms_are_one_clear_error(case):
         split_arguments(params, {}, [])
 
 
-SETTINGS = dict(direction="maximize", study_name="s", storage=None, n_trials=4, n_jobs=2, sampler={"name": "tpe"},
-                pruner={"name": "median"}, max_failure_rate=0.0, params={}, grid={}, trial_key="optuna")
+def settings(**change):
+    """The sweeper's settings as Hydra gives them (its node, sampler and pruner from their default groups)."""
+    node = {"sampler": OmegaConf.structured(SAMPLERS["tpe"]), "pruner": OmegaConf.structured(PRUNERS["median"]),
+            "direction": "maximize", "study_name": "s", "storage": None, "n_trials": 4, "n_jobs": 2,
+            "max_batch_size": None, "max_failure_rate": 0.0, "params": {}, "grid": {}, "repeats": {},
+            "trial_key": "optuna", "heartbeat_interval": 60.0, "grace_period": None, "failed_trial_callback": None}
+    return {**node, **change}
 
 
 @pytest.mark.parametrize("change, message", [
     ({"direction": "maximise"}, r"hydra.sweeper.direction='maximise'; valid: maximize, minimize"),
-    ({"pruner": {"name": "asha"}}, r"hydra.sweeper.pruner.name='asha'; valid: median, hyperband, none"),
+    ({"pruner": OmegaConf.create({"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": -1})},
+     r"hydra.sweeper.pruner \(optuna.pruners.MedianPruner\): Number of startup trials cannot be negative, but got "
+     r"n_startup_trials=-1.; valid: its class's options"),
+    ({"pruner": OmegaConf.create({"_target_": "optuna.samplers.TPESampler"})},
+     r"hydra.sweeper.pruner._target_='optuna.samplers.TPESampler' is no optuna.pruners._base.BasePruner"),
     ({"n_trials": 0}, r"hydra.sweeper.n_trials=0; valid: an integer >= 1"),
+    ({"max_batch_size": 0}, r"hydra.sweeper.max_batch_size=0; valid: null or an integer >= 1"),
     ({"max_failure_rate": 1.5}, r"hydra.sweeper.max_failure_rate=1.5; valid: a number in \[0, 1\]"),
+    ({"heartbeat_interval": 0}, r"hydra.sweeper.heartbeat_interval=0; valid: seconds > 0"),
+    ({"grace_period": 5.0}, r"hydra.sweeper.grace_period=5.0; valid: null \(2 x heartbeat_interval\) or seconds >= "),
+    ({"repeats": {"seed": []}}, r"hydra.sweeper.repeats.seed=\[\]; valid: a list of one value or more"),
+    ({"params": {"train.lr": "interval(0.1, 0.01)"}}, r"train.lr=interval\(0.1, 0.01\): an empty or inverted interval"),
 ])
 def test_bad_settings_fail_before_any_trial(change, message):
     with pytest.raises(sweeper.SweeperError, match=message):
-        sweeper.OptunaSweeper(**{**SETTINGS, **change})
+        sweeper.OptunaSweeperImpl(**settings(**change))
 
 
-def test_samplers_and_pruners_by_name():
+@pytest.mark.parametrize("group, name", [*(("sampler", n) for n in SAMPLERS), *(("pruner", n) for n in PRUNERS)])
+def test_each_sampler_and_pruner_node_has_every_constructor_option_at_optunas_default(group, name):
+    """The official plugin's way, `_target_` and the class's options; none missing, none invented, each at
+    the default Optuna gives it (a required one is MISSING: set it)."""
+    node = (SAMPLERS if group == "sampler" else PRUNERS)[name]
+    fields = {f.name: f for f in dataclasses.fields(node) if f.name != "_target_"}
+    target = node._target_ if isinstance(node._target_, str) else fields.pop("_target_").default
+    signature = inspect.signature(get_class(node()._target_)).parameters
+    assert list(fields) == list(signature)
+    filled = {("grid", "search_space"), ("patient", "wrapped_pruner")}  # null: the sweeper's points; no wrapped pruner
+    for key, parameter in signature.items():
+        default = fields[key].default if fields[key].default is not dataclasses.MISSING else fields[key].default_factory()
+        required = parameter.default is inspect.Parameter.empty
+        expected = None if (name, key) in filled else "???" if required else parameter.default
+        assert default == expected, (name, key)
+    assert target
+
+
+def test_every_sampler_and_pruner_is_made_from_its_group_with_options_set_on_the_command_line(compose):
     space = {"x": CategoricalDistribution([1, 2, 3])}
-    assert {name: type(make_sampler(SamplerConf(name, seed=1), space)).__name__
-            for name in ("tpe", "random", "cmaes", "grid", "qmc")} == {
-        "tpe": "TPESampler", "random": "RandomSampler", "cmaes": "CmaEsSampler", "grid": "GridSampler",
-        "qmc": "QMCSampler"}
-    with pytest.raises(sweeper.SweeperError, match=r"hydra.sweeper.sampler.name='bayes'; valid: tpe, random, cmaes, grid, qmc"):
-        make_sampler(SamplerConf("bayes"), space)
+    for name in SAMPLERS:
+        cfg = compose("hydra/sweeper=gaexp_optuna", f"hydra/sweeper/sampler={name}", "hydra.sweeper.sampler.seed=7",
+                      hydra=True)
+        made = make_sampler(cfg.hydra.sweeper.sampler, space)
+        assert type(made).__name__ == cfg.hydra.sweeper.sampler._target_.rsplit(".", 1)[1]
+    cfg = compose("hydra/sweeper=gaexp_optuna", "hydra.sweeper.sampler.n_startup_trials=8",
+                  "hydra.sweeper.sampler.multivariate=true", "hydra.sweeper.sampler.seed=3", hydra=True)
+    tpe = make_sampler(cfg.hydra.sweeper.sampler, space)
+    assert (tpe._n_startup_trials, tpe._multivariate) == (8, True)
+    assert [make_sampler(cfg.hydra.sweeper.sampler, space)._rng.rng.random() for _ in range(2)] == \
+        [tpe._rng.rng.random()] * 2  # seeded: each study's sampler draws the same
+    grid = make_sampler(compose("hydra/sweeper=gaexp_optuna", "hydra/sweeper/sampler=grid", hydra=True).hydra.sweeper.sampler,
+                        space)
+    assert grid._search_space == {"x": [1, 2, 3]}  # the grid sampler's points: the searched choices
     with pytest.raises(sweeper.SweeperError, match=r"x: the grid sampler needs discrete values"):
-        make_sampler(SamplerConf("grid"), {"x": FloatDistribution(0.0, 1.0)})
-    assert isinstance(make_pruner(PrunerConf("hyperband")), optuna.pruners.HyperbandPruner)
-    assert isinstance(make_pruner(PrunerConf("none")), optuna.pruners.NopPruner)
+        make_sampler(OmegaConf.structured(SAMPLERS["grid"]), {"x": FloatDistribution(0.0, 1.0)})
+    for name in PRUNERS:
+        overrides = {"percentile": ["hydra.sweeper.pruner.percentile=25"], "patient": ["hydra.sweeper.pruner.patience=2"],
+                     "threshold": ["hydra.sweeper.pruner.lower=0.5"]}
+        cfg = compose("hydra/sweeper=gaexp_optuna", f"hydra/sweeper/pruner={name}", *overrides.get(name, []), hydra=True)
+        assert type(make_pruner(cfg.hydra.sweeper.pruner)).__name__ == cfg.hydra.sweeper.pruner._target_.rsplit(".", 1)[1]
+    cfg = compose("hydra/sweeper=gaexp_optuna", "hydra.sweeper.pruner.n_warmup_steps=300", hydra=True)
+    assert make_pruner(cfg.hydra.sweeper.pruner)._n_warmup_steps == 300
+
+
+def test_the_official_plugins_defaults(compose):
+    """As hydra-optuna-sweeper: minimize, TPE, 20 trials, 2 at a time, no study name (a new study each
+    command), and a storage of this sweep's own (the official one is in memory)."""
+    sweeper_cfg = compose("hydra/sweeper=gaexp_optuna", hydra=True).hydra.sweeper
+    assert (sweeper_cfg.direction, sweeper_cfg.n_trials, sweeper_cfg.n_jobs, sweeper_cfg.study_name,
+            sweeper_cfg.storage) == ("minimize", 20, 2, None, None)
+    assert sweeper_cfg.sampler._target_ == "optuna.samplers.TPESampler"
+
+
+def test_a_gaexp_search_refuses_to_minimize_the_accuracy(compose, tmp_path):
+    """The official default direction finds the worst learning rate of a gaexp trial: refused in one line."""
+    cfg = compose("hydra/sweeper=gaexp_optuna", "train.num_iterations=20", "analysis.window_start=0",
+                  outputs=tmp_path, hydra=True)
+    with pytest.raises(ValueError, match=r"hydra.sweeper.direction=minimize: a gaexp trial returns a validation "
+                                         r"accuracy .*; valid: hydra.sweeper.direction=maximize"):
+        app.prepare(cfg)
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything is written
+
+
+def test_the_launch_presets_compose_with_the_optuna_sweeper(compose):
+    """launch=local sets hydra.sweeper.max_batch_size, which the Optuna sweeper did not have."""
+    for preset in ("local", "joblib", "ray", "slurm"):
+        cfg = compose("hydra/sweeper=gaexp_optuna", f"launch={preset}", hydra=True)
+        assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+
+
+class FakeLauncher:
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, batch, initial_job_idx):
+        self.launches.append((initial_job_idx, list(batch)))
+        return [None] * len(batch)
+
+
+def test_max_batch_size_bounds_the_jobs_of_each_launch():
+    impl = sweeper.OptunaSweeperImpl(**settings(max_batch_size=3))
+    impl.launcher, impl.job_idx = FakeLauncher(), 0
+    assert len(impl.launch([[f"x={i}"] for i in range(7)])) == 7
+    assert [(idx, len(batch)) for idx, batch in impl.launcher.launches] == [(0, 3), (3, 3), (6, 1)]
+
+
+def sweeper_for(config, **change):
+    """An OptunaSweeperImpl set up as Hydra does, without a launcher, on an in-memory-like journal."""
+    impl = sweeper.OptunaSweeperImpl(**settings(**change))
+    impl.config = config
+    impl.tells = sweeper.has_node(config, impl.trial_key)
+    impl.storage = "STORAGE"
+    return impl
+
+
+def test_trials_are_told_who_they_are_only_in_an_app_that_has_the_trial_node():
+    """trial_key=optuna added `optuna.storage=...` to every job, which fails in an app without that node."""
+    study = optuna.create_study()
+    trial = study.ask({"x": FloatDistribution(0.0, 1.0)})
+    other_app = sweeper_for(OmegaConf.create({"db": {"user": "a"}}))
+    assert other_app.overrides(study, trial, ["db=b"], {"y": "1"}, 0, [[]]) == ["y=1", "db=b", f"x={trial.params['x']!r}"]
+    gaexp_app = sweeper_for(OmegaConf.create({"optuna": {"study": None}}))
+    lines = gaexp_app.overrides(study, trial, [], {}, 1, [["seed=1"], ["seed=2"]])
+    assert lines == [f"x={trial.params['x']!r}", "seed=2", "optuna.storage='STORAGE'",
+                     f"optuna.study='{study.study_name}'", "optuna.trial=0", "optuna.repeat=1", "optuna.repeats=2"]
+
+
+def test_a_trials_value_is_the_mean_of_its_repeats_and_one_failure_or_prune_decides():
+    def ret(value=None, status="COMPLETED", pruned=False):
+        from hydra.core.utils import JobReturn, JobStatus
+        r = JobReturn()
+        r.status = JobStatus[status]
+        r._return_value = optuna.TrialPruned() if pruned else value
+        return r
+    assert sweeper.trial_outcome([ret(0.5), ret(0.7)])[:2] == (TrialState.COMPLETE, pytest.approx(0.6))
+    assert sweeper.trial_outcome([ret(0.5), ret(float("nan"))])[0] == TrialState.FAIL
+    assert sweeper.trial_outcome([ret(0.5), ret(status="FAILED", pruned=True)])[0] == TrialState.PRUNED
+    assert sweeper.trial_outcome([ret(status="FAILED", pruned=True), ret(float("nan"))])[0] == TrialState.FAIL
+    assert sweeper.repeat_lines({"seed": [1, 2], "regime": ["bs1a16"]}) == [["seed=1", "regime=bs1a16"],
+                                                                            ["seed=2", "regime=bs1a16"]]
+    assert sweeper.repeat_lines({}) == [[]]
+
+
+def test_repeats_report_their_mean_to_the_pruner_once_each_has_reported_the_step(tmp_path):
+    """Two repeats in two processes, each reporting its own evaluations: the trial's value at a step is
+    their mean, reported when the second of them reports it; pruning reads that mean."""
+    storage = str(tmp_path / "j.journal")
+    study = optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize")
+    study.set_user_attr(sweeper.PRUNER, {"_target_": "optuna.pruners.ThresholdPruner", "lower": 0.5})
+    trial = study.ask()
+    first, second = (sweeper.open_trial(storage, "s", trial.number) for _ in range(2))
+    sweeper.report(first, 0, 2, 10, 0.2)
+    assert study.trials[0].intermediate_values == {} and not first.should_prune()  # one repeat of two: no value yet
+    sweeper.report(second, 1, 2, 10, 0.6)
+    assert study.trials[0].intermediate_values == {10: pytest.approx(0.4)}
+    assert second.should_prune()  # the mean 0.4 < 0.5 (its own 0.6 would go on): it stops
+    sweeper.report(first, 0, 2, 20, 0.9)
+    assert study.trials[0].intermediate_values == {10: pytest.approx(0.4)}  # step 20: repeat 1 stopped before it
+    assert first.should_prune()  # at its next evaluation the other repeat stops too, on the mean at step 10
+    sweeper.report(second, 1, 2, 20, 0.3)
+    assert study.trials[0].intermediate_values == {10: pytest.approx(0.4), 20: pytest.approx(0.6)}
+
+
+def test_a_study_records_its_protocol_and_refuses_another_naming_the_keys():
+    study = optuna.create_study()
+    mnist = {"data.dataset": "mnist", "train.num_iterations": "1200", "data.holdout": "10000"}
+    sweeper.check_protocol(study, "S", mnist)
+    assert study.user_attrs[sweeper.PROTOCOL] == mnist
+    study.ask()
+    sweeper.check_protocol(study, "S", dict(mnist))  # the same protocol continues
+    fashion = mnist | {"data.dataset": "fashion_mnist", "model.name": "resnet20"}
+    with pytest.raises(sweeper.SweeperError, match=(
+            r"study '.*' in S was created for another protocol \(data.dataset: mnist in the study, fashion_mnist "
+            r"here; model.name: \(none\) in the study, resnet20 here\); to continue it, give its values; to ask "
+            r"this question, start a new study: hydra.sweeper.study_name=<a new name> \(or another "
+            r"hydra.sweeper.storage\)")):
+        sweeper.check_protocol(study, "S", fashion)
+    old = optuna.create_study()
+    old.ask()  # made before studies recorded a protocol
+    with pytest.raises(sweeper.SweeperError, match=r"has 1 trials and no recorded protocol"):
+        sweeper.check_protocol(old, "S", mnist)
+
+
+@pytest.mark.parametrize("kind", ["journal", "rdb"])
+def test_only_a_stopped_sweeps_trials_are_failed_and_handed_to_the_callback(tmp_path, kind):
+    """Opening a study failed every RUNNING trial, a live sweep's too. Now a trial is failed only when its
+    sweep stopped beating for grace_period; the callback (e.g. Optuna's retry) gets each one."""
+    url = str(tmp_path / "j.journal") if kind == "journal" else f"sqlite:///{tmp_path}/o.db"
+    called = []
+
+    def callback(study, trial):
+        called.append(trial.number)
+
+    grace = 4  # seconds; the live sweep beats every second, so only a stall of 4 s could fail its trial
+    backend = open_storage(url, heartbeat_interval=1, grace_period=grace, failed_trial_callback=callback)
+    study = optuna.create_study(study_name="s", storage=backend)
+    live, dead = study.ask(), study.ask()
+    with sweeper.Heartbeat(backend, 1) as heart:
+        heart.add(live._trial_id)
+        sweeper.beat(backend, dead._trial_id)  # one beat, then its sweep died
+        if kind == "journal":  # the beat is a time the sweeper wrote: make it an old one
+            backend.set_trial_system_attr(dead._trial_id, sweeper.HEARTBEAT, time.time() - 10 * grace)
+        else:  # Optuna's heartbeat table holds the database's clock: wait it out
+            time.sleep(grace + 1.5)
+        assert sweeper.fail_stale_trials(study, grace, callback) == [dead.number]
+        assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.FAIL] and called == [dead.number]
+        study.tell(live, 1.0)  # the live sweep's tell works
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL]
+
+
+def test_hydras_plugin_scan_imports_neither_torch_mlflow_optuna_nor_gaexp():
+    """Discovering the sweepers imported gaexp (torch, MLflow) and Optuna in every Hydra application of the
+    environment (4 s); and gaexp's schema landed in their ConfigStore."""
+    code = ("import sys\nfrom hydra.core.plugins import Plugins\nfrom hydra.plugins.sweeper import Sweeper\n"
+            "from hydra.core.config_store import ConfigStore\n"
+            "names = sorted(p.__name__ for p in Plugins.instance().discover(Sweeper))\n"
+            "print(names, sorted(m for m in ('torch', 'mlflow', 'optuna', 'gaexp') if m in sys.modules),\n"
+            "      'gaexp_schema.yaml' in ConfigStore.instance().repo, 'gaexp_optuna.yaml' in ConfigStore.instance().repo['hydra']['sweeper'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
+    assert out.split() == "['BasicSweeper', 'GridSweeper', 'OptunaSweeper'] [] False True".split()
 
 
 # --- real studies through the public command (each trial a real gaexp run) ------------------------------
 
-STUDY = ["hydra/sweeper=gaexp_optuna", "norm=gn4", "regime=bs16a1", "train.num_iterations=20", "train.eval_period=5",
-         "hydra.sweeper.study_name=t", "hydra.sweeper.pruner.n_startup_trials=1"]
+STUDY = ["hydra/sweeper=gaexp_optuna", "hydra.sweeper.direction=maximize", "norm=gn4", "regime=bs16a1",
+         "train.num_iterations=20", "train.eval_period=5", "hydra.sweeper.study_name=t"]
+MEDIAN_AFTER_ONE = "hydra.sweeper.pruner.n_startup_trials=1"  # the default pruner, pruning from the second trial
 # Trials that finish evaluate 1,000 held-out training images (as a tuning study should: docs/study.md) instead of
 # the 10,000 test images, a tenth of the cost of each of their 4 evaluations. Not in the killed study, whose
 # trial 1 must stay RUNNING long enough to be seen on a fast machine.
 HOLDOUT = 1000
 
 
+def study_args(tmp_path, *more):
+    """STUDY in one journal under tmp_path, which every sweep of a test shares."""
+    return [*STUDY, f"hydra.sweeper.storage={tmp_path / 'optuna.journal'}", *more]
+
+
 def study_of(tmp_path, name):
-    """The study, from the default journal next to the sweep folders (norm and regime are fixed values
-    here, not grid axes, so the study name is study_name alone)."""
-    return optuna.load_study(study_name=name, storage=open_storage(str(tmp_path / "multirun" / "optuna.journal")))
+    """The study, from the journal of study_args (norm and regime are fixed values here, not grid axes, so
+    the study name is study_name alone)."""
+    return optuna.load_study(study_name=name, storage=open_storage(str(tmp_path / "optuna.journal")))
 
 
 @pytest.mark.slow
 def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_command, training_runs):
-    proc = gaexp_command(tmp_path, *STUDY, "launch=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_trials=4",
+    proc = gaexp_command(tmp_path, *study_args(tmp_path, MEDIAN_AFTER_ONE), "launch=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_trials=4",
                          "hydra.sweeper.n_jobs=2", "hydra.sweeper.sampler.seed=3", f"data.holdout={HOLDOUT}",
                          "train.lr=tag(log, interval(1e-4, 1e-2))")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -139,16 +362,17 @@ def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_com
     ((name, outcome, overrides),) = tuning.tuned_commands(client, "gaexp", "t", "1,2", ["launch=joblib"])
     assert (name, outcome["trial"], outcome["value"]) == ("t", study.best_trial.number, study.best_value)
     assert f"train.lr={study.best_params['train.lr']!r}" in overrides  # the best value, exactly
-    assert {"norm=gn4", "regime.batch_size=16", "regime.num_accum=1", "train.num_iterations=20", "data.holdout=0",
-            "seed=1,2", "launch=joblib"} <= set(overrides)
+    assert {"norm=gn4", "regime=bs16a1", "train.num_iterations=20", "data.holdout=0", "seed=1,2",
+            "hydra/sweeper=gaexp_grid", "launch=joblib"} <= set(overrides)
+    assert not [line for line in overrides if line.startswith(("optuna.", f"data.holdout={HOLDOUT}"))]
 
 
 @pytest.mark.slow
 def test_a_trial_that_cannot_learn_is_pruned(tmp_path, gaexp_command, training_runs):
     """Grid over two learning rates, the good one first (seed 1): the one that cannot move is pruned at the
     first evaluation, below the finished trial there."""
-    proc = gaexp_command(tmp_path, *STUDY, f"data.holdout={HOLDOUT}", "train.lr=choice(0.003, 1e-12)",
-                         "hydra.sweeper.sampler.name=grid",
+    proc = gaexp_command(tmp_path, *study_args(tmp_path, MEDIAN_AFTER_ONE), f"data.holdout={HOLDOUT}", "train.lr=choice(0.003, 1e-12)",
+                         "hydra/sweeper/sampler=grid",
                          "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     good, bad = study_of(tmp_path, "t").trials  # the grid has 2 points: 2 trials, not 5
@@ -163,8 +387,8 @@ def test_a_trial_that_cannot_learn_is_pruned(tmp_path, gaexp_command, training_r
 
 
 @pytest.mark.slow
-def test_a_killed_study_resumes_to_n_trials_with_none_left_running(tmp_path, gaexp_argv, gaexp_command):
-    settings = [*STUDY, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra.sweeper.pruner.name=none",
+def test_a_killed_study_resumes_with_its_dead_trial_failed_and_runs_n_trials_more(tmp_path, gaexp_argv, gaexp_command):
+    settings = [*study_args(tmp_path), "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1", "hydra/sweeper/pruner=nop",
                 "hydra.sweeper.sampler.seed=5", "train.lr=tag(log, interval(1e-4, 1e-2))"]
     proc = subprocess.Popen(gaexp_argv(tmp_path, *settings), cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -175,11 +399,13 @@ def test_a_killed_study_resumes_to_n_trials_with_none_left_running(tmp_path, gae
             return False
 
     kill_when(proc, trial_0_done_and_trial_1_running)
+    time.sleep(2.5)  # its last beat is older than the grace period, 2 x heartbeat_interval
     again = gaexp_command(tmp_path, *settings)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "trial 1 was left RUNNING by an earlier sweep: marked FAIL" in again.stdout + again.stderr
+    assert "t: trial 1 was left RUNNING by a sweep that stopped: marked FAIL" in again.stdout + again.stderr
+    assert "t: 2 trial(s) before, this command ran 3 (COMPLETE 3)" in again.stdout + again.stderr
     states = [t.state for t in study_of(tmp_path, "t").trials]
-    assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]  # 3 in total, none RUNNING
+    assert states == [TrialState.COMPLETE, TrialState.FAIL, *[TrialState.COMPLETE] * 3]  # n_trials more, none RUNNING
 
 
 @pytest.mark.slow
@@ -187,8 +413,8 @@ def test_a_failed_trial_is_fail_in_optuna_and_failed_in_mlflow_and_the_study_goe
                                                                                       training_runs):
     """lr 1e30 diverges at step 2: FAIL and FAILED, the cell named at the end; one failure in two trials is within
     max_failure_rate 0.5, so the study runs its other trial."""
-    proc = gaexp_command(tmp_path, *STUDY, f"data.holdout={HOLDOUT}", "train.lr=choice(0.003, 1e30)",
-                         "hydra.sweeper.sampler.name=grid",
+    proc = gaexp_command(tmp_path, *study_args(tmp_path, MEDIAN_AFTER_ONE), f"data.holdout={HOLDOUT}", "train.lr=choice(0.003, 1e30)",
+                         "hydra/sweeper/sampler=grid",
                          "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_jobs=1", "hydra.sweeper.max_failure_rate=0.5")
     assert proc.returncode == 1 and "1 cell(s) failed, the others ran" in proc.stdout + proc.stderr
     trials = study_of(tmp_path, "t").trials
@@ -203,7 +429,7 @@ def test_a_failed_trial_is_fail_in_optuna_and_failed_in_mlflow_and_the_study_goe
 def test_too_many_failed_trials_stop_the_study(tmp_path, gaexp_command, training_runs):
     """Both learning rates diverge; with max_failure_rate 0.5 the first failure (1 of 1) is already too many:
     the study stops there, its second trial never asked for, and the command fails saying why."""
-    proc = gaexp_command(tmp_path, *STUDY, "train.lr=choice(1e30, 1e31)", "hydra.sweeper.sampler.name=grid",
+    proc = gaexp_command(tmp_path, *study_args(tmp_path, MEDIAN_AFTER_ONE), "train.lr=choice(1e30, 1e31)", "hydra/sweeper/sampler=grid",
                          "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_jobs=1", "hydra.sweeper.n_trials=2",
                          "hydra.sweeper.max_failure_rate=0.5")
     assert proc.returncode == 1
@@ -213,10 +439,174 @@ def test_too_many_failed_trials_stop_the_study(tmp_path, gaexp_command, training
     assert [(name, run.info.status) for name, run in runs.items()] == [("gn4-bs16a1-s1-t0", "FAILED")]
 
 
-def test_the_documented_search_command_composes_with_gaexps_optuna_sweeper_and_either_engine(compose):
-    """docs/usage.md's search: the sweeper named on the command line (Hydra lets conf/config.yaml's gaexp_grid
-    win over the study file's own choice), and accumulate=batched passes through to every trial."""
-    cfg = compose("hydra/sweeper=gaexp_optuna", "+experiment=tune_lr", "accumulate=batched", hydra=True)
+def test_the_search_file_names_its_sweeper_and_a_trials_rerun_composes_with_the_grid_sweeper(compose):
+    """`gaexp -m +experiment=tune_lr` failed on its first Optuna key: conf/config.yaml's gaexp_grid won over the
+    study file's choice (Hydra issue 3229). The grid sweeper is now named from a group file, and the search's
+    settings live in conf/hydra/sweeper/tune_lr.yaml, so gaexp-tuned's rerun of a trial's overrides
+    (`+experiment=tune_lr ... hydra/sweeper=gaexp_grid`) composes too."""
+    cfg = compose("+experiment=tune_lr", "accumulate=batched", hydra=True)
     assert cfg.hydra.sweeper._target_ == "hydra_plugins.gaexp_optuna_sweeper.sweeper.OptunaSweeper"
-    assert (cfg.hydra.sweeper.study_name, cfg.hydra.sweeper.grid.norm) == ("tune_lr", "bn,in,gn4")
+    assert (cfg.hydra.sweeper.study_name, cfg.hydra.sweeper.grid.norm, cfg.hydra.sweeper.direction) == (
+        "tune_lr", "bn,in,gn4", "maximize")
+    assert OmegaConf.to_container(cfg.hydra.sweeper.repeats) == {"seed": [1, 2]}
+    assert (cfg.hydra.sweeper.sampler.n_startup_trials, cfg.hydra.sweeper.n_trials) == (8, 16)
     assert app.check(app.job_config(cfg)).accumulate == "batched"
+    assert compose(hydra=True).hydra.sweeper._target_.endswith("GridSweeper")
+    rerun = compose("+experiment=tune_lr", "norm=bn", "train.lr=0.002", "seed=3", "data.holdout=0",
+                    "hydra/sweeper=gaexp_grid", hydra=True)
+    assert rerun.hydra.sweeper._target_.endswith("GridSweeper") and (rerun.train.num_iterations, rerun.data.holdout) == (
+        1200, 0)
+
+
+# --- the surprises of a hydra-optuna-sweeper user, each through the public command ---------------------
+
+def one_line_error(proc) -> str:
+    """The command failed with one line on stderr after Hydra's own logging, and no traceback."""
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and proc.stderr.rstrip().endswith(errors[0]), proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_a_study_refuses_to_answer_another_protocols_question_and_says_what_it_ran(tmp_path, gaexp_command):
+    """`study_name` and storage shared, another holdout and budget: the command ran zero trials, reported the
+    first protocol's best, and ended in a FileNotFoundError. Now: refused in one line naming the keys; the
+    same protocol continues, saying how many trials there were and how many it ran."""
+    first = gaexp_command(tmp_path, *study_args(tmp_path), "hydra.sweeper.n_trials=1", f"data.holdout={HOLDOUT}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "t: 0 trial(s) before, this command ran 1 (COMPLETE 1)" in first.stdout + first.stderr
+    other = gaexp_command(tmp_path, *study_args(tmp_path), "hydra.sweeper.n_trials=1", "data.holdout=2000",
+                          "train.num_iterations=24")
+    assert one_line_error(other) == (
+        f"error: study 't' in {tmp_path / 'optuna.journal'} was created for another protocol (data.holdout: 1000 in "
+        "the study, 2000 here; train.num_iterations: 20 in the study, 24 here); to continue it, give its values; to "
+        "ask this question, start a new study: hydra.sweeper.study_name=<a new name> (or another hydra.sweeper.storage)")
+    assert len(study_of(tmp_path, "t").trials) == 1
+    again = gaexp_command(tmp_path, *study_args(tmp_path), "hydra.sweeper.n_trials=1", f"data.holdout={HOLDOUT}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "t: 1 trial(s) before, this command ran 1 (COMPLETE 1)" in again.stdout + again.stderr
+    assert [t.state for t in study_of(tmp_path, "t").trials] == [TrialState.COMPLETE] * 2
+    (results,) = sorted((tmp_path / "multirun").glob(f"*/{sweeper.RESULTS}"))[-1:]
+    assert OmegaConf.to_container(OmegaConf.load(results).studies.t)["ran"] == {"COMPLETE": 1}
+
+
+@pytest.mark.slow
+def test_default_study_names_and_storages_never_collide(tmp_path, gaexp_command):
+    """With no study_name and storage (the official plugin's defaults), each command is a new study in its
+    own sweep folder's journal; the old defaults (the job name, one journal for all sweeps) continued the last."""
+    for holdout in (HOLDOUT, 2000):
+        proc = gaexp_command(tmp_path, "hydra/sweeper=gaexp_optuna", "hydra.sweeper.direction=maximize", "norm=gn4",
+                             "train.num_iterations=8", "train.eval_period=4", f"data.holdout={holdout}",
+                             "hydra.sweeper.n_trials=1", "hydra.sweeper.n_jobs=1")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    journals = sorted((tmp_path / "multirun").glob("*/optuna.journal"))
+    assert len(journals) == 2
+    studies = [optuna.get_all_study_summaries(open_storage(str(j))) for j in journals]
+    assert [len(s) for s in studies] == [1, 1] and studies[0][0].study_name != studies[1][0].study_name
+    assert all(s[0].study_name.startswith("no-name-") and s[0].n_trials == 1 for s in studies)
+
+
+@pytest.mark.slow
+def test_two_sweeps_on_one_storage_at_once_leave_each_others_trials_alone(tmp_path, gaexp_argv, gaexp_command):
+    """Sweep A holds trial 0 RUNNING (frozen, so however fast the machine, B opens the study meanwhile); sweep
+    B opens the same study and runs its own trial. B marked A's trial FAIL and A's tell raised; now both end
+    COMPLETE: a live sweep's trial is failed only after grace_period without its beat (120 s by default)."""
+    settings = study_args(tmp_path, "hydra.sweeper.n_trials=1", "hydra.sweeper.n_jobs=1", f"data.holdout={HOLDOUT}")
+    a = subprocess.Popen(gaexp_argv(tmp_path, *settings), cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while a.poll() is None and time.monotonic() < deadline:
+            try:
+                if [t.state for t in study_of(tmp_path, "t").trials] == [TrialState.RUNNING]:
+                    break
+            except KeyError:  # no journal or no study yet
+                pass
+            time.sleep(0.2)
+        os.killpg(a.pid, signal.SIGSTOP)
+        b = gaexp_command(tmp_path, *settings)
+        assert b.returncode == 0, b.stderr[-3000:]
+        assert "t: 1 trial(s) before, this command ran 1 (COMPLETE 1)" in b.stdout + b.stderr
+        assert [t.state for t in study_of(tmp_path, "t").trials] == [TrialState.RUNNING, TrialState.COMPLETE]
+    finally:
+        os.killpg(a.pid, signal.SIGCONT)
+    out, err = a.communicate(timeout=300)
+    assert a.returncode == 0, err[-3000:]
+    assert [t.state for t in study_of(tmp_path, "t").trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
+
+
+@pytest.mark.slow
+def test_a_trial_of_two_seeds_is_their_mean_and_each_seed_a_child_run_of_the_trial(tmp_path, gaexp_command,
+                                                                                    training_runs):
+    proc = gaexp_command(tmp_path, *study_args(tmp_path), "+hydra.sweeper.repeats.seed=[1,2]", "hydra.sweeper.n_trials=2",
+                         "hydra.sweeper.n_jobs=2", "hydra.sweeper.sampler.seed=3", f"data.holdout={HOLDOUT}",
+                         "hydra/sweeper/pruner=nop", "train.lr=tag(log, interval(1e-4, 1e-2))", "launch=joblib",
+                         "hydra.launcher.n_jobs=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    study = study_of(tmp_path, "t")
+    client, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    assert sorted(runs) == sorted(f"gn4-bs16a1-s{seed}-t{n}" for seed in (1, 2) for n in range(2))
+    (parent,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id], "tags.`gaexp.role` = 'study'")
+    trial_runs = {r.data.tags["optuna.trial"]: r for r in client.search_runs(
+        [parent.info.experiment_id], "tags.`gaexp.role` = 'trial'")}
+    for trial in study.trials:
+        assert trial.state == TrialState.COMPLETE
+        histories = [{m.step: m.value for m in client.get_metric_history(runs[f"gn4-bs16a1-s{seed}-t{trial.number}"]
+                                                                          .info.run_id, "valid_acc")} for seed in (1, 2)]
+        assert histories[0] != histories[1]  # two seeds, two runs
+        assert trial.intermediate_values == {step: pytest.approx((histories[0][step] + histories[1][step]) / 2, abs=1e-12)
+                                             for step in (5, 10, 15, 20)}  # the pruner saw the seeds' mean
+        values = [sum(h.values()) / len(h) for h in histories]  # each seed's objective (window_start 0)
+        assert trial.value == pytest.approx(sum(values) / 2, abs=1e-12)
+        assert trial.user_attrs[sweeper.REPEATS] == {"seed=1": pytest.approx(values[0]), "seed=2": pytest.approx(values[1])}
+        run = trial_runs[str(trial.number)]
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id and run.info.status == "FINISHED"
+        assert run.data.metrics["value"] == pytest.approx(trial.value) and float(run.data.params["train.lr"]) == \
+            trial.params["train.lr"]
+        for seed in (1, 2):
+            child = runs[f"gn4-bs16a1-s{seed}-t{trial.number}"]
+            assert child.data.tags["mlflow.parentRunId"] == run.info.run_id
+            assert child.data.tags["optuna.repeat"] == str(seed - 1)
+
+
+@pytest.mark.slow
+def test_gaexp_tuned_reruns_the_best_trials_protocol_on_its_dataset(tmp_path, gaexp_command, training_runs,
+                                                                    fashion_root):
+    """A Fashion-MNIST search was rerun on MNIST: gaexp-tuned rebuilt the command from norm, regime, train
+    and device only. Now the reruns are the best trial's own overrides, with the test set and the seeds."""
+    proc = gaexp_command(tmp_path, *study_args(tmp_path), "data=fashion_mnist", f"data.root={fashion_root}",
+                         "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", f"data.holdout={HOLDOUT}",
+                         "train.lr=tag(log, interval(1e-4, 1e-2))", "hydra.sweeper.sampler.seed=3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    best = study_of(tmp_path, "t").best_trial
+    tuned = subprocess.run([sys.executable, "-m", "gaexp.tuning", "--run", "--tracking-uri",
+                            f"sqlite:///{tmp_path}/mlflow.db", "--experiment", "gaexp", "--study", "t", "--seeds", "1,2"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
+    _, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    for seed in (1, 2):
+        rerun = runs.get(f"fashion_mnist-gn4-bs16a1-s{seed}")  # no trial number: a run of the grid, on its dataset
+        assert rerun is not None, (sorted(runs), tuned.stdout[-3000:], tuned.stderr[-2000:])
+        assert rerun.info.status == "FINISHED" and "optuna.study" not in rerun.data.tags
+        assert (rerun.data.tags["dataset"], rerun.data.params["data.holdout"], rerun.data.params["train.num_iterations"]) \
+            == ("fashion_mnist", "0", "20")
+        assert float(rerun.data.params["train.lr"]) == best.params["train.lr"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, message", [
+    ("train.lr=interval(0.1, 0.01)", "error: train.lr=interval(0.1, 0.01): an empty or inverted interval; valid: "
+                                     "interval(a, b) with a < b"),
+    ("hydra.sweeper.sampler._target_=optuna.pruners.NopPruner", "error: hydra.sweeper.sampler (optuna.pruners."
+     "NopPruner): NopPruner() takes no arguments; valid: its class's options at their types (docs/usage.md, Tuning "
+     "with Optuna)"),
+    ("hydra/sweeper/pruner=percentile", "error: hydra.sweeper.pruner (optuna.pruners.PercentilePruner): Missing "
+     "mandatory value: pruner.percentile full_key: pruner.percentile object_type=PercentilePrunerConf; valid: its "
+     "class's options at their types (docs/usage.md, Tuning with Optuna)"),
+    ("hydra.sweeper.n_trials=0", "error: hydra.sweeper.n_trials=0; valid: an integer >= 1"),
+])
+def test_bad_sweeper_settings_end_the_command_in_one_line(tmp_path, gaexp_command, setting, message):
+    """They ended with the right message after 19 lines of traceback."""
+    assert one_line_error(gaexp_command(tmp_path, *study_args(tmp_path), setting)) == message
+    assert not (tmp_path / "optuna.journal").exists()

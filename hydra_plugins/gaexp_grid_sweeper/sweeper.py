@@ -5,6 +5,8 @@
   its expected work computed (gaexp/progress.py); the cells run longest first, ties in the given order.
 - Progress: the plan is recorded as an MLflow run `sweep-<id>`, and while the launcher runs, the
   launching terminal shows the cells by state and an ETA, read from the tracking store (any launcher).
+
+Hydra's plugin scan imports this module in every Hydra application: gaexp and MLflow load when a sweep runs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import progress, tracking
 from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ def uncompleted(error: Exception) -> str:
 
 def cost_of(cfg: DictConfig) -> float:
     """A cell's expected work (gaexp/progress.py), from its own composed config."""
+    from gaexp import progress  # gaexp (torch, MLflow) loads when a sweep runs, not at Hydra's plugin scan
+
     return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
                                      cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES, cfg.model.cost)
 
@@ -81,6 +83,8 @@ class GridSweeper(BasicSweeper):
         return cost_of(self.cell_config(overrides))
 
     def sweep(self, arguments: List[str]) -> Any:
+        from gaexp import progress
+
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         (cells,) = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)
         varying = [i for i in range(len(cells[0]) if cells else 0) if len({c[i] for c in cells}) > 1]
@@ -120,6 +124,10 @@ class GridSweeper(BasicSweeper):
     @contextmanager
     def tracked(self, plan: progress.Plan, sweep_dir: Path) -> Iterator[None]:
         """The plan as a run `sweep-<id>` (FINISHED when every launch returned), live progress meanwhile."""
+        from mlflow.tracking import MlflowClient
+
+        from gaexp import progress, tracking
+
         cfg = self.config
         client = MlflowClient(cfg.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, cfg.mlflow.experiment_name)

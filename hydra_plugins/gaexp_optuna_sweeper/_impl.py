@@ -1,0 +1,531 @@
+"""gaexp's Optuna sweeper at work: Optuna's ask/tell API, Hydra's launcher running the trials.
+
+Every key of `params` and every command-line override written as a search (choice(...), interval(a, b),
+int(interval(a, b)), tag(log, interval(a, b)), range(a, b, step), or a comma list `a,b`, a choice as in
+hydra-optuna-sweeper) is searched; a plain value is fixed. Keys of `grid` (`hydra.sweeper.grid.norm=bn,in`)
+are swept outside the search: each combination is its own study, `<study_name>[norm=bn,...]`.
+
+A study records the protocol it was created for (the composed config of its trials without the searched,
+repeated and ignorable keys): continuing it with another is refused. Each trial may run several jobs
+(`repeats`, e.g. one per seed) and is worth their mean; the jobs report their evaluations to the trial
+(through the `trial_key` node), which reports the mean of the repeats at each step to its pruner. While its
+trials run, the sweep records a heartbeat for each; a RUNNING trial whose beats stopped for `grace_period`
+(its sweep died) is failed by the next sweep that opens the study, a live sweep's never.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import optuna
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobStatus
+from hydra.errors import HydraException
+from hydra.types import HydraContext, TaskFunction
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+from optuna.trial import FrozenTrial, TrialState
+
+from hydra_plugins.gaexp_optuna_sweeper.config import DIRECTIONS
+from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
+
+log = logging.getLogger(__name__)
+FORMS = ("choice(a, b, ...) or a,b,..., interval(a, b), int(interval(a, b)), tag(log, interval(a, b)), "
+         "range(a, b, step) or a fixed value")
+PROTOCOL = "gaexp.protocol"  # a study's user attribute: the config it was created for
+PRUNER = "gaexp.pruner"  # a study's user attribute: the sweeper's pruner node, which its trials' jobs prune with
+HEARTBEAT = "gaexp.heartbeat"  # a trial's system attribute: its sweep's last beat, time.time() (journal storages)
+REPEATS = "gaexp.repeats"  # a trial's user attribute: each repeat's overrides and value
+CURVE = "gaexp.reports."  # + the repeat's index: a trial's user attribute, that repeat's reports {step: value}
+
+
+class SweeperError(HydraException):
+    """Bad sweeper input: one line naming the value and what is valid."""
+
+
+def open_storage(storage: str, heartbeat_interval: Optional[float] = None, grace_period: Optional[float] = None,
+                 failed_trial_callback: Any = None) -> optuna.storages.BaseStorage:
+    """An RDB URL (it has ://) as Optuna's RDBStorage, with its heartbeat when an interval is given;
+    anything else is a journal file, safe for several processes."""
+    if "://" in storage:
+        beat = {} if heartbeat_interval is None else dict(
+            heartbeat_interval=max(1, math.ceil(heartbeat_interval)),
+            grace_period=None if grace_period is None else max(1, math.ceil(grace_period)),
+            failed_trial_callback=failed_trial_callback)
+        return optuna.storages.RDBStorage(storage, **beat)
+    Path(storage).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+
+
+def parse(key: str, value: str) -> Override:
+    try:
+        (override,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
+    except HydraException as e:
+        why = " ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip() and not line.startswith("See "))
+        raise SweeperError(f"{key}={value!r} is not a value or a sweep ({why}); valid: {FORMS}") from None
+    return override
+
+
+def distribution(override: Override) -> BaseDistribution | str:
+    """The Optuna distribution of a searched override, or the string of a fixed one."""
+    if not override.is_sweep_override():
+        return override.get_value_element_as_str()
+    name, value = override.get_key_element(), override.value()
+    where = f"{name}={override.input_line.split('=', 1)[1] if override.input_line else value}"
+    if isinstance(value, ChoiceSweep):
+        choices = list(override.sweep_iterator())
+        if not choices:
+            raise SweeperError(f"{where}: an empty choice; valid: choice(a, b, ...) with one value or more")
+        return CategoricalDistribution(choices)
+    if isinstance(value, RangeSweep):
+        values = list(override.sweep_iterator())
+        if not values:
+            raise SweeperError(f"{where}: an empty range; valid: range(a, b, step) with a < b for step > 0")
+        step = value.step or 1
+        if any(isinstance(v, float) for v in (value.start, value.stop, step)):
+            return FloatDistribution(float(values[0]), float(values[-1]), step=float(step))
+        return IntDistribution(int(values[0]), int(values[-1]), step=int(step))
+    if isinstance(value, IntervalSweep):
+        low, high, tags = value.start, value.end, set(value.tags)
+        if tags - {"log"}:
+            raise SweeperError(f"{where}: unknown tag(s) {sorted(tags - {'log'})}; valid: tag(log, interval(a, b))")
+        if not low < high:
+            raise SweeperError(f"{where}: an empty or inverted interval; valid: interval(a, b) with a < b")
+        if "log" in tags and low <= 0:
+            raise SweeperError(f"{where}: a log scale needs bounds > 0; valid: tag(log, interval(a, b)) with 0 < a < b")
+        if isinstance(low, int) and isinstance(high, int):
+            return IntDistribution(low, high, log="log" in tags)
+        return FloatDistribution(float(low), float(high), log="log" in tags)
+    raise SweeperError(f"{where}: not supported; valid: {FORMS}")
+
+
+def split_arguments(params: Dict[str, str], grid: Dict[str, str], arguments: Sequence[str]
+                    ) -> Tuple[Dict[str, BaseDistribution], Dict[str, str], List[List[str]]]:
+    """(search space, fixed values, grid axes as lists of key=value): the config's params and grid,
+    then the command line, which wins. A key of `grid` is a grid axis wherever it is given."""
+    space: Dict[str, BaseDistribution] = {}
+    fixed: Dict[str, str] = {}
+    axes: Dict[str, List[str]] = {}
+    parsed = [parse(k, v) for k, v in params.items()]
+    parsed += [parse(k, v) for k, v in grid.items()]
+    for line in arguments:
+        key, _, value = line.partition("=")
+        parsed.append(parse(key, value))
+    grid_keys = set(grid)
+    for override in parsed:
+        key = override.get_key_element()
+        space.pop(key, None), fixed.pop(key, None)
+        if key in grid_keys:  # a grid axis, in study names; a comma list elsewhere is a choice, as in the official plugin
+            values = override.sweep_string_iterator() if override.is_sweep_override() else [override.get_value_element_as_str()]
+            axes[key] = [f"{key}={v}" for v in values]  # keeps its first place: study names read in grid order
+        else:
+            axes.pop(key, None)
+            found = distribution(override)
+            (space if isinstance(found, BaseDistribution) else fixed)[key] = found
+    return space, fixed, list(axes.values())
+
+
+def grid_points(space: Dict[str, BaseDistribution]) -> Dict[str, list]:
+    """Every value of each searched key, for the grid sampler: choices, or a range's steps."""
+    values = {}
+    for key, dist in space.items():
+        if isinstance(dist, CategoricalDistribution):
+            values[key] = list(dist.choices)
+        elif dist.step is not None:
+            values[key] = [dist.low + i * dist.step for i in range(int(round((dist.high - dist.low) / dist.step)) + 1)]
+        else:
+            raise SweeperError(f"{key}: the grid sampler needs discrete values; valid: choice(...) or range(...)")
+    return values
+
+
+def make(node: Any, where: str, kind: type, **filled: Any) -> Any:
+    """A sampler or pruner from its config node (`_target_` and options), or one line naming what is wrong."""
+    target = OmegaConf.select(node, "_target_") if isinstance(node, DictConfig) else None
+    try:
+        made = instantiate(node, **filled)
+    except Exception as e:  # noqa: BLE001 - Hydra wraps the constructor's error; its cause is what to show
+        cause = e.__cause__ or e
+        why = " ".join(str(cause).split()) or type(cause).__name__
+        raise SweeperError(f"{where} ({target}): {why}; valid: its class's options at their types "
+                           f"(docs/usage.md, Tuning with Optuna)") from None
+    if not isinstance(made, kind):
+        raise SweeperError(f"{where}._target_={target!r} is no {kind.__module__}.{kind.__name__}; valid: "
+                           f"hydra/{where.replace('hydra.', '').replace('.', '/')}=<a name of its group>")
+    return made
+
+
+def make_sampler(node: Any, space: Dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
+    """The sampler of a study; the grid sampler's points, if not given, are the searched keys' values."""
+    filled = {}
+    if str(OmegaConf.select(node, "_target_")).endswith("GridSampler") and node.get("search_space") is None:
+        filled["search_space"] = grid_points(space)
+    return make(node, "hydra.sweeper.sampler", optuna.samplers.BaseSampler, **filled)
+
+
+def make_pruner(node: Any) -> optuna.pruners.BasePruner:
+    return make(node, "hydra.sweeper.pruner", optuna.pruners.BasePruner)
+
+
+def trial_value(ret: Any) -> Tuple[TrialState, Optional[float]]:
+    """What a launched job came back as: COMPLETE with its value, PRUNED, or FAIL (an error, or nan)."""
+    if ret.status == JobStatus.COMPLETED:
+        try:
+            value = float(ret.return_value)
+        except (TypeError, ValueError):
+            return TrialState.FAIL, None
+        return (TrialState.COMPLETE, value) if math.isfinite(value) else (TrialState.FAIL, None)
+    if isinstance(ret._return_value, optuna.TrialPruned):
+        return TrialState.PRUNED, None
+    return TrialState.FAIL, None
+
+
+def trial_outcome(returns: Sequence[Any]) -> Tuple[TrialState, Optional[float], List[Optional[float]]]:
+    """A trial from its repeats' jobs: FAIL if one failed, else PRUNED if one was pruned, else COMPLETE
+    with the mean of their values; and each repeat's value."""
+    outcomes = [trial_value(r) for r in returns]
+    values = [value for _, value in outcomes]
+    states = {state for state, _ in outcomes}
+    for state in (TrialState.FAIL, TrialState.PRUNED):
+        if state in states:
+            return state, None, values
+    return TrialState.COMPLETE, sum(values) / len(values), values
+
+
+def repeat_lines(repeats: Dict[str, Sequence[Any]]) -> List[List[str]]:
+    """Each repeat of a trial as its overrides: the product of the repeated keys' values ([[]]: none)."""
+    for key, values in repeats.items():
+        if not isinstance(values, Sequence) or isinstance(values, str) or not values:
+            raise SweeperError(f"hydra.sweeper.repeats.{key}={values!r}; valid: a list of one value or more, "
+                               f"e.g. {{{key}: [1, 2]}}")
+    return [[f"{k}={v}" for k, v in zip(repeats, combo)] for combo in itertools.product(*repeats.values())]
+
+
+def delete(cfg: DictConfig, dotted: str) -> None:
+    """Remove a key (dotted path) from a config, if there."""
+    parent, _, last = dotted.lstrip("+~").rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    if isinstance(node, DictConfig) and last in node:
+        del node[last]
+
+
+def flatten(tree: Any, prefix: str = "") -> Dict[str, str]:
+    if isinstance(tree, dict):
+        out: Dict[str, str] = {}
+        for k, v in tree.items():
+            out |= flatten(v, f"{prefix}{k}.")
+        return out or {prefix[:-1]: "{}"}
+    return {prefix[:-1]: str(tree)}
+
+
+def protocol(cell_config: DictConfig, dropped: Sequence[str]) -> Dict[str, str]:
+    """A study's identity: every key of its trials' composed config (without `hydra`) and its value as text,
+    but the dropped keys (searched, repeated, the trial node, and what the app excludes from a job's
+    identity: hydra.job.config.override_dirname.exclude_keys)."""
+    ignored = OmegaConf.select(cell_config, "hydra.job.config.override_dirname.exclude_keys", default=None) or []
+    cfg = OmegaConf.create(OmegaConf.to_container(cell_config, resolve=False))
+    with read_write(cfg), open_dict(cfg):
+        for key in ["hydra", *dropped, *ignored]:
+            delete(cfg, key)
+    hydra_config = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cell_config)  # ${hydra:...} resolves as in the trial's job
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - a value that only resolves in the job: compared as written
+        resolved = OmegaConf.to_container(cfg, resolve=False)
+    finally:
+        if hydra_config is not None:
+            HydraConfig.instance().set_config(hydra_config)
+    return flatten(resolved)
+
+
+def check_protocol(study: optuna.Study, storage: str, wanted: Dict[str, str]) -> None:
+    """Record a new study's protocol; refuse to continue a study created for another one (or for none)."""
+    had = study.user_attrs.get(PROTOCOL)
+    new = "start a new study: hydra.sweeper.study_name=<a new name> (or another hydra.sweeper.storage)"
+    if had is None:
+        if study.trials:
+            raise SweeperError(f"study {study.study_name!r} in {storage} has {len(study.trials)} trials and no "
+                               f"recorded protocol (made before studies recorded one), so this command's could "
+                               f"differ from its trials'; {new}")
+        study.set_user_attr(PROTOCOL, wanted)
+        return
+    differ = sorted(k for k in set(had) | set(wanted) if had.get(k) != wanted.get(k))
+    if differ:
+        shown = "; ".join(f"{k}: {had.get(k, '(none)')} in the study, {wanted.get(k, '(none)')} here"
+                          for k in differ[:4]) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
+        raise SweeperError(f"study {study.study_name!r} in {storage} was created for another protocol ({shown}); "
+                           f"to continue it, give its values; to ask this question, {new}")
+
+
+def beat(storage: optuna.storages.BaseStorage, trial_id: int) -> None:
+    """Record that the sweep running a trial is alive: Optuna's heartbeat (RDB), or a system attribute."""
+    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+        storage.record_heartbeat(trial_id)
+    else:
+        storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
+
+
+def fail_stale_trials(study: optuna.Study, grace_period: float, callback: Any) -> List[int]:
+    """Fail the RUNNING trials whose sweep stopped beating `grace_period` seconds ago (a killed sweep's),
+    then call `callback(study, trial)` for each; a live sweep's trials beat and are left alone. A trial that
+    never beat (recorded by an older gaexp) counts from its start. Returns the failed trials' numbers."""
+    storage = study._storage
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+        optuna.storages.fail_stale_trials(study)  # Optuna's own, with the storage's callback
+        return sorted(t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                      if t.number in running)
+    now, failed = time.time(), []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        last = trial.system_attrs.get(HEARTBEAT, trial.datetime_start.timestamp() if trial.datetime_start else now)
+        if now - last <= grace_period:
+            continue
+        try:
+            if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:  # its sweep told it meanwhile
+            continue
+        failed.append(trial.number)
+        if callback is not None:
+            callback(study, storage.get_trial(trial._trial_id))
+    return failed
+
+
+class Heartbeat:
+    """While a sweep's trials run: a thread recording a beat for each of them every `interval` seconds."""
+
+    def __init__(self, storage: optuna.storages.BaseStorage, interval: float) -> None:
+        self.storage, self.interval, self.trials = storage, interval, set()
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self.run, name="gaexp-optuna-heartbeat", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def add(self, trial_id: int) -> None:
+        with self.lock:
+            self.trials.add(trial_id)
+            beat(self.storage, trial_id)
+
+    def remove(self, trial_id: int) -> None:
+        with self.lock:
+            self.trials.discard(trial_id)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            with self.lock:
+                for trial_id in list(self.trials):
+                    try:
+                        beat(self.storage, trial_id)
+                    except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next one
+                        log.warning("heartbeat of trial id %d: %s", trial_id, e)
+
+
+def has_node(config: DictConfig, key: Optional[str]) -> bool:
+    """Whether the app's config has the trial node `key` (the official plugin's apps have none: a job told
+    `optuna.study=...` there would fail to compose)."""
+    return bool(key) and OmegaConf.select(config, key, default=None) is not None
+
+
+class OptunaSweeperImpl:
+    def __init__(self, sampler: Any, pruner: Any, direction: str, study_name: Optional[str], storage: Optional[str],
+                 n_trials: int, n_jobs: int, max_batch_size: Optional[int], max_failure_rate: float,
+                 params: Optional[Dict[str, str]], grid: Optional[Dict[str, str]], repeats: Optional[Dict[str, Any]],
+                 trial_key: Optional[str], heartbeat_interval: float, grace_period: Optional[float],
+                 failed_trial_callback: Any) -> None:
+        if direction not in DIRECTIONS:
+            raise SweeperError(f"hydra.sweeper.direction={direction!r}; valid: {', '.join(DIRECTIONS)}")
+        for key, value, ok, valid in (
+                ("n_trials", n_trials, n_trials >= 1, "an integer >= 1"),
+                ("n_jobs", n_jobs, n_jobs >= 1, "an integer >= 1"),
+                ("max_batch_size", max_batch_size, max_batch_size is None or max_batch_size >= 1, "null or an integer >= 1"),
+                ("max_failure_rate", max_failure_rate, 0.0 <= max_failure_rate <= 1.0, "a number in [0, 1]"),
+                ("heartbeat_interval", heartbeat_interval, heartbeat_interval > 0, "seconds > 0"),
+                ("grace_period", grace_period, grace_period is None or grace_period >= heartbeat_interval,
+                 f"null (2 x heartbeat_interval) or seconds >= heartbeat_interval ({heartbeat_interval})")):
+            if not ok:
+                raise SweeperError(f"hydra.sweeper.{key}={value!r}; valid: {valid}")
+        self.sampler_node, self.pruner_node = sampler, pruner
+        self.direction, self.study_name, self.storage = direction, study_name, storage
+        self.n_trials, self.n_jobs, self.max_batch_size = n_trials, n_jobs, max_batch_size
+        self.max_failure_rate, self.trial_key = max_failure_rate, trial_key
+        self.params, self.grid = dict(params or {}), dict(grid or {})
+        self.repeats = OmegaConf.to_container(repeats) if isinstance(repeats, DictConfig) else dict(repeats or {})
+        self.heartbeat_interval = heartbeat_interval
+        self.grace_period = 2 * heartbeat_interval if grace_period is None else grace_period
+        self.callback = None if failed_trial_callback is None else make(
+            failed_trial_callback, "hydra.sweeper.failed_trial_callback", object)
+        self.pruner = make_pruner(pruner)  # bad options fail here, before any trial
+        repeat_lines(self.repeats)
+        split_arguments(self.params, self.grid, [])
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context, self.job_idx = config, hydra_context, 0
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.storage = self.storage or str(self.sweep_dir / "optuna.journal")  # this sweep's own: no collision
+        self.study_name = self.study_name or f"no-name-{uuid.uuid4()}"  # Optuna's unnamed study: a new name
+        self.tells = has_node(config, self.trial_key)
+
+    def sweep(self, arguments: List[str]) -> None:
+        space, fixed, axes = split_arguments(self.params, self.grid, arguments)
+        repeats = repeat_lines(self.repeats)
+        both = set(space) & set(self.repeats) | set(fixed) & set(self.repeats)
+        if both:
+            raise SweeperError(f"{', '.join(sorted(both))}: both repeated (hydra.sweeper.repeats) and searched or "
+                               "fixed; valid: a key in one of them")
+        cells = list(itertools.product(*axes))
+        samplers = [make_sampler(self.sampler_node, space) for _ in cells]  # every study's, before any trial
+        if self.trial_key and not self.tells:
+            log.warning("hydra.sweeper.trial_key=%s: the app's config has no such node, so its jobs are not told "
+                        "their trial (no pruning)", self.trial_key)
+        log.info("Optuna: %d stud%s, %d trials each in this command%s, searching %s, storage %s", len(cells),
+                 "y" if len(cells) == 1 else "ies", self.n_trials,
+                 f" of {len(repeats)} jobs ({', '.join(self.repeats)})" if len(repeats) > 1 else "",
+                 ", ".join(space) or "nothing", self.storage)
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the input is good: the storage may be made
+        self.backend = open_storage(self.storage, self.heartbeat_interval, self.grace_period, self.callback)
+        dropped = [*space, *self.repeats, *([self.trial_key] if self.trial_key else [])]
+        results = {}
+        for cell, sampler in zip(cells, samplers):
+            study = self.study(cell, fixed, dropped, sampler)
+            before = len(study.trials)
+            ran = self.run_study(study, cell, fixed, space, repeats)
+            results[study.study_name] = summary(study, before, ran)
+            log.info("%s: %d trial(s) before, this command ran %d (%s); best %s", study.study_name, before, len(ran),
+                     ", ".join(f"{k} {v}" for k, v in results[study.study_name]["ran"].items()) or "none",
+                     results[study.study_name]["best"])
+        OmegaConf.save(OmegaConf.create({"storage": self.storage, "direction": self.direction, "studies": results}),
+                       self.sweep_dir / RESULTS)
+
+    def study(self, cell: Sequence[str], fixed: Dict[str, str], dropped: Sequence[str],
+              sampler: optuna.samplers.BaseSampler) -> optuna.Study:
+        """The cell's study, created or continued if its protocol is this command's; a killed sweep's
+        trials failed."""
+        name = self.study_name + (f"[{','.join(cell)}]" if cell else "")
+        config = self.hydra_context.config_loader.load_sweep_config(
+            master_config=self.config, sweep_overrides=[*(f"{k}={v}" for k, v in fixed.items()), *cell])
+        wanted = protocol(config, dropped) | {"hydra.sweeper.direction": self.direction,
+                                              "hydra.sweeper.repeats": str(self.repeats)}
+        study = optuna.create_study(study_name=name, storage=self.backend, direction=self.direction,
+                                    sampler=sampler, pruner=self.pruner, load_if_exists=True)
+        check_protocol(study, self.storage, wanted)
+        study.set_user_attr(PRUNER, OmegaConf.to_container(self.pruner_node, resolve=True))  # trials prune so
+        for number in fail_stale_trials(study, self.grace_period, self.callback):
+            log.warning("%s: trial %d was left RUNNING by a sweep that stopped: marked FAIL", name, number)
+        return study
+
+    def overrides(self, study: optuna.Study, trial: optuna.Trial, cell: Sequence[str], fixed: Dict[str, str],
+                  repeat: int, repeats: Sequence[Sequence[str]]) -> List[str]:
+        """A job's command line: fixed values, its grid cell, the sampled values, its repeat, who it is."""
+        lines = [f"{k}={v}" for k, v in fixed.items()] + list(cell) + [f"{k}={v!r}" for k, v in trial.params.items()]
+        lines += repeats[repeat]
+        if self.tells:
+            lines += [f"{self.trial_key}.storage='{self.storage}'", f"{self.trial_key}.study='{study.study_name}'",
+                      f"{self.trial_key}.trial={trial.number}"]
+            if len(repeats) > 1:
+                lines += [f"{self.trial_key}.repeat={repeat}", f"{self.trial_key}.repeats={len(repeats)}"]
+        return lines
+
+    def launch(self, batch: List[List[str]]) -> List[Any]:
+        size = self.max_batch_size or len(batch)
+        returns = []
+        for i in range(0, len(batch), size):
+            returns += self.launcher.launch(batch[i:i + size], initial_job_idx=self.job_idx)
+            self.job_idx += len(batch[i:i + size])
+        return returns
+
+    def run_study(self, study: optuna.Study, cell: Sequence[str], fixed: Dict[str, str],
+                  space: Dict[str, BaseDistribution], repeats: List[List[str]]) -> List[TrialState]:
+        """This command's `n_trials` trials of the study, `n_jobs` at a time; returns their states."""
+        to_go = self.n_trials
+        if isinstance(study.sampler, optuna.samplers.GridSampler):  # every point once at most
+            to_go = min(to_go, math.prod(len(v) for v in grid_points(space).values()) - len(study.trials))
+        ran: List[TrialState] = []
+        with Heartbeat(self.backend, self.heartbeat_interval) as heart:
+            while to_go > 0:
+                trials = [study.ask(space) for _ in range(min(self.n_jobs, to_go))]
+                for trial in trials:
+                    heart.add(trial._trial_id)
+                try:
+                    returns = self.launch([self.overrides(study, trial, cell, fixed, i, repeats)
+                                           for trial in trials for i in range(len(repeats))])
+                except BaseException:  # interrupted: this sweep's trials end now, not after a grace period
+                    for trial in trials:
+                        heart.remove(trial._trial_id)
+                        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+                    raise
+                for j, trial in enumerate(trials):
+                    heart.remove(trial._trial_id)
+                    state, value, values = trial_outcome(returns[j * len(repeats):(j + 1) * len(repeats)])
+                    if len(repeats) > 1:
+                        trial.set_user_attr(REPEATS, {" ".join(r): v for r, v in zip(repeats, values)})
+                    try:
+                        study.tell(trial, value, state=state, skip_if_finished=True)
+                    except RuntimeError as e:  # the grid sampler stops the study after its last point
+                        if "Study.stop" not in str(e):
+                            raise
+                    ran.append(state)
+                to_go -= len(trials)
+                failed = ran.count(TrialState.FAIL)
+                if failed / len(ran) > self.max_failure_rate:
+                    raise SweeperError(f"{study.study_name}: {failed} of {len(ran)} trials failed, more than "
+                                       f"hydra.sweeper.max_failure_rate={self.max_failure_rate}; see the cells' logs")
+        return ran
+
+
+def summary(study: optuna.Study, before: int, ran: Sequence[TrialState]) -> Dict[str, Any]:
+    """The best trial (none while no trial completed), the count of trials per state, in all and run by
+    this command, and how many there were before it."""
+    states = [t.state.name for t in study.trials]
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    best = {"trial": study.best_trial.number, "value": study.best_value, "params": study.best_params} if complete else None
+    mine = [s.name for s in ran]
+    return {"best": best, "states": {s: states.count(s) for s in sorted(set(states))}, "before": before,
+            "ran": {s: mine.count(s) for s in sorted(set(mine))}}
+
+
+def open_trial(storage: str, study_name: str, number: int) -> optuna.Trial:
+    """Trial `number` of a study, from a job's process: to report intermediate values and ask whether to
+    prune, with the pruner the sweeper configured (kept in the study's user attributes)."""
+    backend = optuna.storages.get_storage(open_storage(storage))
+    trial_id = backend.get_trial_id_from_study_id_trial_number(backend.get_study_id_from_name(study_name), number)
+    study = optuna.load_study(study_name=study_name, storage=backend)
+    study.pruner = make_pruner(OmegaConf.create(study.user_attrs.get(PRUNER, {"_target_": "optuna.pruners.NopPruner"})))
+    return optuna.Trial(study, trial_id)
+
+
+def report(trial: optuna.Trial, repeat: int, repeats: int, step: int, value: float) -> None:
+    """A job's evaluation at `step`, told to its trial. With several repeats the trial's value at a step is
+    their mean, reported once all of them have reported the step: each repeat records its own reports, then
+    reads the others' (the last to record a step sees them all)."""
+    if repeats == 1:
+        trial.report(value, step)
+        return
+    storage, key = trial.study._storage, f"{CURVE}{repeat}"
+    mine = dict(storage.get_trial(trial._trial_id).user_attrs.get(key, {}))
+    storage.set_trial_user_attr(trial._trial_id, key, mine | {str(step): value})
+    frozen: FrozenTrial = storage.get_trial(trial._trial_id)
+    curves = [frozen.user_attrs.get(f"{CURVE}{r}", {}) for r in range(repeats)]
+    means = {int(done): sum(c[done] for c in curves) / repeats for done in set.intersection(*(set(c) for c in curves))}
+    for done in sorted(set(means) - set(frozen.intermediate_values)):
+        storage.set_trial_intermediate_value(trial._trial_id, done, means[done])
+    trial._cached_frozen_trial.intermediate_values.update(means)  # what should_prune reads
