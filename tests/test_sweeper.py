@@ -201,6 +201,22 @@ def sweeper_for(config, **change):
     return impl
 
 
+class InterruptedLauncher:
+    def launch(self, batch, initial_job_idx):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_launch_fails_its_trials_at_once_and_goes_on_raising(tmp_path):
+    """Ctrl-C during a launch: this sweep's trials end FAIL now, not RUNNING until a grace period passes."""
+    impl = sweeper_for(OmegaConf.create({"optuna": {"study": None}}), n_jobs=2)
+    impl.backend = open_storage(str(tmp_path / "j.journal"))
+    impl.launcher, impl.job_idx = InterruptedLauncher(), 0
+    study = optuna.create_study(study_name="s", storage=impl.backend)
+    with pytest.raises(KeyboardInterrupt):
+        impl.run_study(study, [], {}, {"x": FloatDistribution(0.0, 1.0)}, [[]])
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+
+
 def test_trials_are_told_who_they_are_only_in_an_app_that_has_the_trial_node():
     """trial_key=optuna added `optuna.storage=...` to every job, which fails in an app without that node."""
     study = optuna.create_study()
