@@ -338,6 +338,12 @@ class Heartbeat:
                         log.warning("heartbeat of trial id %d: %s", trial_id, e)
 
 
+def storage_and_name(storage: Optional[str], study_name: Optional[str], sweep_dir: Path) -> Tuple[str, str]:
+    """The defaults never collide: no storage, this sweep's own journal; no name, a new one (Optuna's
+    unnamed study)."""
+    return storage or str(sweep_dir / "optuna.journal"), study_name or f"no-name-{uuid.uuid4()}"
+
+
 def has_node(config: DictConfig, key: Optional[str]) -> bool:
     """Whether the app's config has the trial node `key` (the official plugin's apps have none: a job told
     `optuna.study=...` there would fail to compose)."""
@@ -381,8 +387,7 @@ class OptunaSweeperImpl:
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config)
         self.sweep_dir = Path(config.hydra.sweep.dir)
-        self.storage = self.storage or str(self.sweep_dir / "optuna.journal")  # this sweep's own: no collision
-        self.study_name = self.study_name or f"no-name-{uuid.uuid4()}"  # Optuna's unnamed study: a new name
+        self.storage, self.study_name = storage_and_name(self.storage, self.study_name, self.sweep_dir)
         self.tells = has_node(config, self.trial_key)
 
     def sweep(self, arguments: List[str]) -> None:
