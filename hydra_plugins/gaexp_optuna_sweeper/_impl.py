@@ -269,9 +269,14 @@ def check_protocol(study: optuna.Study, storage: str, wanted: Dict[str, str]) ->
                            f"to continue it, give its values; to ask this question, {new}")
 
 
+def has_heartbeat(storage: optuna.storages.BaseStorage) -> bool:
+    """Whether the storage keeps Optuna's own heartbeat (an RDB storage given an interval); a journal has none."""
+    return isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage)
+
+
 def beat(storage: optuna.storages.BaseStorage, trial_id: int) -> None:
     """Record that the sweep running a trial is alive: Optuna's heartbeat (RDB), or a system attribute."""
-    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+    if has_heartbeat(storage):
         storage.record_heartbeat(trial_id)
     else:
         storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
@@ -283,7 +288,7 @@ def fail_stale_trials(study: optuna.Study, grace_period: float, callback: Any) -
     never beat (recorded by an older gaexp) counts from its start. Returns the failed trials' numbers."""
     storage = study._storage
     running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    if isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage):
+    if has_heartbeat(storage):
         optuna.storages.fail_stale_trials(study)  # Optuna's own, with the storage's callback
         return sorted(t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
                       if t.number in running)
