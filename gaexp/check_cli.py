@@ -4,7 +4,8 @@
     gaexp-check model=resnet20 norm=bn                                   # a gaexp model and norm (config overrides)
 
 One training step from the same weights and samples, as one batch of b*k and as k micro-batches of b; the
-report names what differs and why. Exit status 0 safe, 1 unsafe, 2 bad input; `--json` for machines.
+report names what differs and why. Exit status 0 safe, 1 unsafe, 2 bad input, 3 NaN or Inf in the step;
+`--json` for machines.
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from gaexp import targets
 from gaexp.batches import IN_CHANNELS, NUM_CLASSES, load_split, micro_batch_indices, to_input
-from gaexp.check import CheckError, Report, check_accumulation
+from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract
 from gaexp.config import CONFIG_DIR, DEVICES, typed
 from gaexp.data import DataError, data_config, datasets
 from gaexp.model import IMAGE_SIZE, check_model, make_model
 from gaexp.targets import TargetError
 from gaexp.train import resolve_device
 
-SAFE, UNSAFE, BAD_INPUT = 0, 1, 2
+SAFE, UNSAFE, BAD_INPUT, NON_FINITE = 0, 1, 2, 3
 DEFAULT_MICRO_BATCH, DEFAULT_ACCUM = 2, 4
 
 
@@ -63,12 +65,21 @@ def _keyword(text: str) -> tuple[str, Any]:
     return key, yaml.safe_load(value)
 
 
+class UsageError(Exception):
+    """What argparse would print as usage and exit on: one line instead."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (gaexp-check --help lists the options)")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gaexp-check", description=(
+    p = _Parser(prog="gaexp-check", description=(
         "Is this model safe to train with gradient accumulation? One training step from the same weights and "
         "samples, taken as one batch of b*k and as k micro-batches of b (each loss scaled by 1/k), compared: the "
         "gradients, which modules couple the samples of a batch, the buffers, the loss. Exit status 0 safe, "
-        "1 unsafe, 2 bad input."))
+        "1 unsafe, 2 bad input, 3 NaN or Inf in the step (its first appearance named)."))
     p.add_argument("target", nargs="+", metavar="TARGET", help=(
         "an import path module:callable that returns a model (torchvision.models:resnet18, mypkg.nets:build), "
         "or gaexp config overrides naming a model and norm (model=resnet20 norm=bn; model=custom "
@@ -86,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accum", type=int, default=None, help=(
         f"k, the accumulation steps (default: {DEFAULT_ACCUM}, or the gaexp regime's when one is given)"))
     p.add_argument("--loss", default=None, metavar="MODULE:CALLABLE", help=(
-        "loss(outputs, targets) -> scalar, a mean over its micro-batch (default: cross-entropy); one that takes "
-        "a step_targets= keyword gets the whole step's targets and is not scaled by 1/k"))
+        "loss(outputs, targets) -> scalar, a mean over its micro-batch (default: cross-entropy, summed over the "
+        "heads of a model that returns several); one that takes the whole step's targets as a third positional "
+        "parameter or a keyword-only step_targets gets them and is not scaled by 1/k"))
     p.add_argument("--data", default="random", help=(
         f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(datasets())}, its "
         "first b*k training images in the seed's order (default: %(default)s)"))
@@ -97,7 +109,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=None, help=(
         "the relative difference taken as float rounding (default: the square root of the parameters' machine "
         "epsilon, 3.5e-4 in float32)"))
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--keep-modes", action="store_true", help=(
+        "check the model with its training flags as they are (default: every module in training mode, as "
+        "training runs; the report names the modules the model had in eval mode)"))
+    p.add_argument("--json", action="store_true", help="print the report as JSON (numbers, null where not finite)")
     return p
 
 
@@ -146,7 +161,15 @@ def from_import_path(target: str, args: argparse.Namespace) -> Subject:
 
 
 def load_loss(target: str | None) -> Callable[..., torch.Tensor] | None:
-    return None if target is None else targets.load(target, "--loss", positional=2)
+    """The loss an import path names, held to the check's one loss contract (gaexp.check.loss_contract)."""
+    if target is None:
+        return None
+    fn = targets.load(target, "--loss", positional=None)
+    try:
+        loss_contract(fn)
+    except CheckError:
+        raise CheckError(f"--loss={target!r}: expected {LOSS_FORMS}") from None
+    return fn
 
 
 def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,14 +188,15 @@ def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) 
             split = load_split(data_config(args.data, args.data_root), train=True)
         except RuntimeError as e:
             raise DataError(f"--data {args.data}: not found under {args.data_root} ({e}); fetch it with "
-                            f"`python -m gaexp.data {args.data}`, or give --data-root") from None
+                            f"`python -m gaexp.data --dataset {args.data} --root {args.data_root}`, or give "
+                            "--data-root") from None
         idx = next(micro_batch_indices(len(split.labels), n, args.seed))
         inputs = to_input(split.images[idx]).contiguous()
     else:
         raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
     subject.model.to(device)
     inputs = inputs.to(device)
-    model_was = subject.model.training
+    flags = {m: m.training for m in subject.model.modules()}  # the model's own modes, module by module
     subject.model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -181,7 +205,10 @@ def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) 
         raise CheckError(f"the model refuses inputs of shape {tuple(inputs[:2].shape)} (--input-shape): "
                          f"{type(e).__name__}: {e}") from None
     finally:
-        subject.model.train(model_was)
+        for m, flag in flags.items():
+            m.training = flag
+    if not isinstance(out, torch.Tensor):  # several heads (logits and auxiliary logits): the first
+        out = next((t for t in tree_leaves(out) if isinstance(t, torch.Tensor)), out)
     if not isinstance(out, torch.Tensor) or out.dim() < 2:
         raise CheckError(f"the model's output is {type(out).__name__} {tuple(getattr(out, 'shape', ()))}; the "
                          "command needs logits (batch, classes, ...): for other outputs, call "
@@ -199,9 +226,9 @@ def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) 
 
 
 def _finite(obj: Any) -> Any:
-    """JSON has no inf or nan: they are written as strings."""
+    """JSON has no inf or nan: they are written as null."""
     if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
+        return None
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -211,7 +238,10 @@ def _finite(obj: Any) -> Any:
 
 def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
     """(exit status, what to print)."""
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except UsageError as e:
+        return BAD_INPUT, f"gaexp-check: error: {e}"
     try:
         if args.device not in DEVICES:
             raise CheckError(f"--device {args.device!r}; valid: {', '.join(DEVICES)}")
@@ -223,19 +253,37 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
         loss = load_loss(args.loss)
         inputs, labels = make_data(subject, args, device)
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
-                                    num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed)
+                                    num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
+                                    modes="keep" if args.keep_modes else "train", norm_choices=overrides)
+    except NonFiniteError as e:
+        return NON_FINITE, render_nonfinite(e, subject, args, device)
     except (CheckError, TargetError, DataError, HydraException, OmegaConfBaseException, ValueError) as e:
         return BAD_INPUT, f"gaexp-check: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     return (SAFE if report.safe else UNSAFE), render(report, subject, args, device)
 
 
-def render(report: Report, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:
+def _header(subject: Subject, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     data = f"random inputs of shape {','.join(map(str, subject.input_shape))}" if args.data == "random" \
         else f"{args.data}'s first {subject.micro_batch * subject.num_accum} training images (seed {args.seed})"
+    return {"target": subject.name, "data": data, "device": str(device), "seed": args.seed}
+
+
+def render(report: Report, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:
+    head = _header(subject, args, device)
     if args.json:
-        return json.dumps(_finite({"target": subject.name, "data": data, "device": str(device), "seed": args.seed,
-                                   **report.to_dict()}), indent=1)
-    return f"gaexp-check {subject.name}: {data}, {device}, seed {args.seed}\n{report}"
+        return json.dumps(_finite({**head, "verdict": "safe" if report.safe else "unsafe", **report.to_dict()}),
+                          indent=1, allow_nan=False)
+    return f"gaexp-check {subject.name}: {head['data']}, {device}, seed {args.seed}\n{report}"
+
+
+def render_nonfinite(e: NonFiniteError, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:
+    """NaN or Inf in the step: one line saying where it first appeared (and no verdict on accumulation)."""
+    head = _header(subject, args, device)
+    if args.json:
+        return json.dumps({**head, "verdict": "non-finite", "safe": False, "micro_batch": subject.micro_batch,
+                           "num_accum": subject.num_accum, "nonfinite": e.where}, indent=1)
+    return (f"gaexp-check {subject.name}: {head['data']}, {device}, seed {args.seed}\n"
+            f"NON-FINITE: {e.where}; the step is not safe to train, with or without accumulation")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

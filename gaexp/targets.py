@@ -15,9 +15,10 @@ class TargetError(ValueError):
     """A target that cannot be imported or called as gaexp calls it: one line naming what was expected."""
 
 
-def load(target: str, key: str, keywords: Sequence[str] = (), positional: int = 0) -> Callable[..., Any]:
+def load(target: str, key: str, keywords: Sequence[str] = (), positional: int | None = 0) -> Callable[..., Any]:
     """The callable `target` names, as the config key `key` (e.g. model.target) gave it; it must accept
-    `positional` positional arguments, then `keywords` by keyword."""
+    `positional` positional arguments, then `keywords` by keyword (positional=None: its caller checks how it
+    can be called)."""
     module_name, _, attr = target.partition(":") if ":" in target else target.rpartition(".")
     if not module_name or not attr:
         raise TargetError(f"{key}={target!r}; valid: an import path module:callable, e.g. mypkg.nets:build")
@@ -28,14 +29,18 @@ def load(target: str, key: str, keywords: Sequence[str] = (), positional: int = 
     made = getattr(module, attr, None)
     if not callable(made):
         raise TargetError(f"{key}={target!r}: {module_name} has no callable {attr!r}")
+    if positional is None:
+        return made
     try:
         signature = inspect.signature(made)
     except ValueError:  # a builtin without a signature: the call itself will tell
         return made
     try:
         signature.bind(*([None] * positional), **{name: None for name in keywords})
-    except TypeError:
+    except TypeError as e:
         counted = ["a positional argument"] if positional == 1 else [f"{positional} positional arguments"] * bool(positional)
         wanted = ", ".join([*counted, *(f"{k}=" for k in keywords)])
+        if not wanted:  # called with nothing: say what it still needs
+            raise TargetError(f"{key}={target!r}: {attr}{signature} must be callable with no arguments ({e})") from None
         raise TargetError(f"{key}={target!r}: {attr}{signature} must take {wanted}") from None
     return made

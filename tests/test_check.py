@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -16,8 +17,8 @@ from torchvision.models import resnet18
 
 from conftest import REPO
 from gaexp.batches import to_input
-from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, check_accumulation
-from gaexp.check_cli import run
+from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError, check_accumulation
+from gaexp.check_cli import _finite, run
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import norm2d
 
@@ -43,9 +44,20 @@ def test_the_cnn_with_batchnorm_is_unsafe_and_its_four_batchnorms_are_named(mnis
     assert {b.module for b in report.buffers} == set(batchnorms(model))
     assert {(b.big, b.accumulated) for b in report.buffers if b.name.endswith("num_batches_tracked")} == {("1", "4")}
     assert report.gradient_rel > 0.1 and not report.loss_couples and report.loss_rel < 1e-6
-    assert any("bn_microeval" in line for line in report.remedies) and not report.unexplained
+    assert not report.unexplained and not any("norm=" in line for line in report.remedies)  # a model of one's own
+    assert any(line.strip().startswith("nn.GroupNorm(16, C) in place of each BatchNorm2d: 97.31%")
+               for line in report.remedies)
+    assert not any("total count" in line or "in-batch" in line for line in report.remedies)  # not the loss's
     text = str(report)
     assert text.startswith("UNSAFE") and "features.13" in text and "98.41%" in text
+
+
+def test_a_gaexp_model_is_told_gaexps_norm_choices(mnist_batch):
+    torch.manual_seed(0)
+    report = check_accumulation(SimpleModel(partial(norm2d, "bn")), *mnist_batch, micro_batch=2, num_accum=4,
+                                norm_choices=True)
+    assert [line.split(":")[0].strip() for line in report.remedies[1:]] == [
+        f"norm={choice}" for choice, *_ in BN_REMEDIES]
 
 
 @pytest.mark.parametrize("norm", ["gn4", "gn16", "in", "none"])
@@ -152,8 +164,9 @@ def test_dropout_without_normalization_is_safe_and_said_to_run_without_randomnes
     model = Dropouts()
     report = check_accumulation(model, torch.rand(8, 20), torch.randint(0, 3, (8,)), micro_batch=2, num_accum=4)
     assert report.safe, str(report)
-    assert report.stochastic == ["drop", ""]  # the module first, then the model's own F.dropout
-    assert "random modules, checked with their training flag off: drop" in str(report)
+    assert [(m.module, m.type, m.found) for m in report.stochastic] == [  # the module first, then the model's own
+        ("drop", "Dropout", "draws from torch's random stream"), ("", "Dropouts", "draws from torch's random stream")]
+    assert "1 Dropout, 1 Dropouts (draws from torch's random stream): drop, (the model)" in str(report)
 
 
 class BatchCentered(nn.Module):
@@ -193,7 +206,10 @@ def test_the_model_is_left_as_it_was(mnist_batch):
     (dict(micro_batch=2, num_accum=3), "expected micro_batch * num_accum = 2 * 3 = 6 rows"),
     (dict(micro_batch=8, num_accum=1), "num_accum=1; valid: an integer >= 2"),
     (dict(micro_batch=0, num_accum=4), "micro_batch=0; valid: an integer >= 1"),
-    (dict(micro_batch=2, num_accum=4, loss=len), "expected loss(outputs, targets) -> scalar tensor"),
+    (dict(micro_batch=2, num_accum=4, loss=len), "expected loss(outputs, targets), loss(outputs, targets, "
+                                                 "step_targets) or loss(outputs, targets, *, step_targets)"),
+    (dict(micro_batch=2, num_accum=4, loss=lambda out, t, *, weight: out), "expected loss(outputs, targets)"),
+    (dict(micro_batch=2, num_accum=4, modes="eval"), "modes='eval'; valid: train, keep"),
     (dict(micro_batch=2, num_accum=4, loss=lambda out, t: out), "returned Tensor (8, 10); expected a scalar"),
     (dict(micro_batch=2, num_accum=4, rtol=0.0), "rtol=0.0; valid: a number > 0"),
 ])
@@ -243,7 +259,11 @@ def test_the_command_takes_the_regime_and_an_import_path():
     (["nosuch.nets:build"], "TARGET='nosuch.nets:build': cannot import 'nosuch.nets'"),
     (["torchvision.models:resnet18", "--input-shape", "3,5"], "the model refuses inputs of shape (2, 3, 5)"),
     (["torchvision.models:resnet18", "--input-shape", "3,x"], "'3,x'; valid: one sample's shape"),
-    (["torchvision.models:resnet18", "--loss", "builtins:len"], "must take 2 positional arguments"),
+    (["torchvision.models:resnet18", "--loss", "builtins:len"], "--loss='builtins:len': expected loss(outputs, "
+                                                               "targets), loss(outputs, targets, step_targets) or"),
+    (["torchvision.models:resnet18", "--micro-batch", "two"], "argument --micro-batch: invalid int value: 'two' "
+                                                            "(gaexp-check --help lists the options)"),
+    ([], "the following arguments are required: TARGET"),
     (["model=simple", "norm=gn4", "--accum", "1"], "--micro-batch 2 --accum 1; valid: b >= 1, k >= 2"),
     (["model=simple", "norm=gn4", "--data", "cifar"], "--data 'cifar'; valid: random, fashion_mnist, mnist"),
     (["model=resnet20", "norm=gn", "norm.groups=32"], "norm.groups=32 does not divide the channels"),
@@ -251,9 +271,279 @@ def test_the_command_takes_the_regime_and_an_import_path():
     (["model=simple", "--device", "tpu"], "--device 'tpu'; valid: auto, cpu, cuda"),
 ])
 def test_the_command_refuses_bad_input_with_exit_2(argv, message, capsys):
-    status, text = run(argv) if "3,x" not in argv else (None, None)
-    if status is None:  # argparse's own refusal
-        with pytest.raises(SystemExit) as e:
-            run(argv)
-        status, text = e.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+    status, text = run(argv)  # argparse's own refusals too: one line, no usage
     assert status == 2 and message in text and "\n" not in text, text
+    assert capsys.readouterr().err == ""
+
+
+# --- stock models: no false alarm, no miss, the same verdict at every seed ---------------------------------
+
+def batch_statistics_layers(model: nn.Module) -> list[str]:
+    """The truth, worked out without the check: the BatchNorm layers in training mode."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+@pytest.mark.parametrize("builder", ["convnext_tiny", "efficientnet_b0", "mobilenet_v3_small", "squeezenet1_1"])
+def test_a_stock_model_gets_the_truth_at_every_seed(builder):
+    """ConvNeXt (LayerNorm, stochastic depth behind a 1e-6 layer scale), EfficientNet (BatchNorm, stochastic
+    depth, dropout), MobileNet (BatchNorm, dropout), SqueezeNet (no normalization, dropout): unsafe exactly when a
+    BatchNorm trains, naming exactly those, whatever the seed; every random module found and said."""
+    import torchvision.models
+
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        model = torchvision.models.get_model(builder)
+        generator = torch.Generator().manual_seed(seed)
+        inputs, targets = torch.rand(8, 3, 32, 32, generator=generator), torch.randint(0, 1000, (8,), generator=generator)
+        report = check_accumulation(model, inputs, targets, micro_batch=2, num_accum=4, seed=seed)
+        truth = batch_statistics_layers(model)
+        assert report.safe == (not truth) and [c.module for c in report.modules] == truth, (builder, seed, str(report))
+        randoms = {m.type for m in report.stochastic}
+        assert randoms == {"convnext_tiny": {"StochasticDepth"}, "efficientnet_b0": {"StochasticDepth", "Dropout"},
+                           "mobilenet_v3_small": {"Dropout"}, "squeezenet1_1": {"Dropout"}}[builder]
+        assert not report.untested and not report.unexplained and not report.loss_couples
+
+
+def test_dropout_behind_a_zero_head_is_found_and_a_vit_is_safe():
+    """torchvision's VisionTransformer starts its head at zero: the output does not move with the seed, yet its
+    dropout and attention dropout are found (by the draws of their own code) and not named as couplings."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+                              dropout=0.1, attention_dropout=0.1, num_classes=10)
+    assert not model.heads.head.weight.any()
+    report = check_accumulation(model, torch.rand(8, 3, 32, 32), torch.randint(0, 10, (8,)), micro_batch=2,
+                                num_accum=4)
+    assert report.safe and report.modules == [], str(report)
+    assert {(m.type, m.found) for m in report.stochastic} == {
+        ("Dropout", "draws from torch's random stream"), ("MultiheadAttention", "draws from torch's random stream")}
+    assert sum(m.type == "MultiheadAttention" for m in report.stochastic) == 2
+
+
+class RareDropPath(nn.Module):
+    """Drop-path written in the block's own forward, with a probability so small that two seeds draw the same
+    (all-keep) mask, behind a 1e-6 layer scale: invisible at the output, found by its draw."""
+
+    def __init__(self, p: float = 1e-9) -> None:
+        super().__init__()
+        self.fc, self.p, self.scale = nn.Linear(6, 6), p, nn.Parameter(torch.full((6,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = (torch.rand(x.shape[0], 1) >= self.p).to(x) if self.training else 1.0
+        return x + keep * self.scale * self.fc(x)
+
+
+def test_a_drop_path_in_a_forward_is_found_whatever_its_probability_and_effect():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), RareDropPath(), nn.Linear(6, 3))
+    for seed in (0, 1, 2):
+        report = check_accumulation(model, torch.rand(8, 4), torch.randint(0, 3, (8,)), micro_batch=2, num_accum=4,
+                                    seed=seed)
+        assert report.safe and [(m.module, m.type) for m in report.stochastic] == [("1", "RareDropPath")]
+
+
+class GeneratorNoise(nn.Module):
+    """Random through a generator of its own: the global streams never move, its output does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape, generator=self.generator) > 0.2) if self.training else x
+
+
+def test_a_module_random_through_its_own_generator_is_found_by_its_output():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), GeneratorNoise(), nn.Linear(6, 3))
+    report = check_accumulation(model, torch.rand(8, 4), torch.randint(0, 3, (8,)), micro_batch=2, num_accum=4)
+    assert report.safe and [(m.module, m.found) for m in report.stochastic] == [
+        ("1", "its output varies between two calls on the same input")]
+
+
+# --- the batch axis, traced -----------------------------------------------------------------------------------
+
+class SequenceFirst(nn.Module):
+    """Batch-first inputs (N, T, 5), a sequence-first encoder inside (batch_first=False: (T, N, E))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(5, 16), nn.Linear(16, 3)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=False)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x).transpose(0, 1)).transpose(0, 1).mean(1))
+
+
+@pytest.mark.parametrize("length", [8, 5])
+def test_a_sequence_first_encoder_is_split_along_its_batch_axis(length):
+    """At a sequence length of b*k = 8 the encoder's first axis is as long as the batch: it is still split
+    along its second, and tested (not named, not untested), as at any other length."""
+    torch.manual_seed(0)
+    model = SequenceFirst()
+    report = check_accumulation(model, torch.rand(8, length, 5), torch.randint(0, 3, (8,)), micro_batch=2,
+                                num_accum=4)
+    assert report.safe and report.modules == [] and report.untested == [], str(report)
+
+
+class PositionTable(nn.Module):
+    """A table of positions that has no batch axis (8 rows, as many as the batch), mixed over its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions, self.mix = nn.Embedding(8, 4), nn.Softmax(dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.mix(self.positions(torch.arange(8)))  # (8, 4): rows are positions, not samples
+        return x + table.sum(0)
+
+
+def test_a_module_without_a_batch_axis_is_untested_never_coupling():
+    torch.manual_seed(0)
+    model = nn.Sequential(PositionTable(), nn.Linear(4, 3))
+    report = check_accumulation(model, torch.rand(8, 4), torch.randint(0, 3, (8,)), micro_batch=2, num_accum=4)
+    assert report.safe and report.modules == [], str(report)
+    assert report.untested == ["0.positions", "0.mix"]
+    assert "modules whose tensors carry no batch axis, not tested: 2: 0.positions, 0.mix" in str(report)
+
+
+# --- non-finite steps are never safe ---------------------------------------------------------------------------
+
+class SqrtOfZero(nn.Module):
+    """A finite forward (sqrt(0) = 0) whose gradient is NaN (inf * 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x - x)
+
+
+class LogOfNegative(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x - 2.0)
+
+
+@pytest.mark.parametrize("model,loss,where", [
+    (nn.Linear(4, 3), lambda out, t: out.sum() * float("nan"), "the loss is nan on the whole batch, its outputs finite"),
+    (nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Identity(), LogOfNegative()), nn.Linear(4, 3)), None,
+     "nan first appears in the output of 1.1 (LogOfNegative) in the forward of the whole batch"),
+    (nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 3)), None,
+     "the gradient of 0.weight is nan after the step of the whole batch, the loss finite"),
+])
+def test_nan_anywhere_ends_the_check_naming_where_it_first_appeared(model, loss, where):
+    torch.manual_seed(0)
+    with pytest.raises(NonFiniteError) as e:
+        check_accumulation(model, torch.rand(8, 4), torch.randint(0, 3, (8,)), loss, micro_batch=2, num_accum=4)
+    assert e.value.where == where
+
+
+def test_a_loss_that_is_nan_only_on_a_micro_batch_is_named_with_its_rows(tokens):
+    """The token mean of a micro-batch with no valid token is 0/0."""
+    ids, labels = tokens
+    labels[2:4] = -100
+    torch.manual_seed(0)
+    with pytest.raises(NonFiniteError, match=re.escape("the loss is nan on micro-batch 2 of 4 (rows 2:4)")):
+        check_accumulation(Tagger(), ids, labels, token_mean, micro_batch=2, num_accum=4)
+
+
+def test_the_command_exits_3_on_nan_with_json_numbers(tmp_path, monkeypatch):
+    (tmp_path / "nanloss.py").write_text("def loss(outputs, targets):\n    return outputs.sum() * float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, text = run(["torchvision.models:squeezenet1_1", "--input-shape", "3,32,32", "--loss", "nanloss:loss"])
+    assert status == 3 and text.splitlines()[1] == ("NON-FINITE: the loss is nan on the whole batch, its outputs "
+                                                    "finite; the step is not safe to train, with or without "
+                                                    "accumulation"), text
+    status, text = run(["torchvision.models:squeezenet1_1", "--input-shape", "3,32,32", "--loss", "nanloss:loss",
+                        "--json"])
+    report = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert status == 3 and report["verdict"] == "non-finite" and report["safe"] is False
+
+
+def test_json_has_numbers_and_null_for_what_is_not_finite():
+    assert _finite({"a": math.inf, "b": [math.nan, 1.5], "c": "x"}) == {"a": None, "b": [None, 1.5], "c": "x"}
+    status, text = run(["torchvision.models:squeezenet1_1", "--input-shape", "3,32,32", "--json"])
+    report = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert status == 0 and report["verdict"] == "safe" and isinstance(report["gradient_rel"], float)
+
+
+# --- one loss contract ------------------------------------------------------------------------------------------
+
+def step_mean_positional(logits: torch.Tensor, labels: torch.Tensor, step_targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels, reduction="sum") / len(step_targets)
+
+
+def step_mean_keyword(logits: torch.Tensor, labels: torch.Tensor, *, step_targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels, reduction="sum") / len(step_targets)
+
+
+def step_mean_third(logits: torch.Tensor, labels: torch.Tensor, everything: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels, reduction="sum") / len(everything)
+
+
+@pytest.mark.parametrize("loss", [step_mean_positional, step_mean_keyword, step_mean_third])
+def test_both_forms_of_the_step_loss_are_one_contract_for_the_api_and_the_command(loss, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    report = check_accumulation(nn.Linear(4, 3), torch.rand(8, 4), torch.randint(0, 3, (8,)), loss, micro_batch=2,
+                                num_accum=4)
+    assert report.safe and "given the step's targets" in report.loss and report.loss_rel < 1e-6
+    (tmp_path / "steploss.py").write_text(
+        "import torch.nn.functional as F\n\n"
+        "def positional(logits, labels, step_targets):\n"
+        "    return F.cross_entropy(logits, labels, reduction='sum') / len(step_targets)\n\n"
+        "def keyword(logits, labels, *, step_targets):\n"
+        "    return F.cross_entropy(logits, labels, reduction='sum') / len(step_targets)\n\n"
+        "def third(logits, labels, everything):\n"
+        "    return F.cross_entropy(logits, labels, reduction='sum') / len(everything)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    form = {step_mean_positional: "positional", step_mean_keyword: "keyword", step_mean_third: "third"}[loss]
+    status, text = run(["torchvision.models:squeezenet1_1", "--input-shape", "3,32,32", "--loss", f"steploss:{form}"])
+    assert status == 0 and f"loss: {form}, given the step's targets (step_targets), not scaled" in text, text
+
+
+def test_loss_remedies_fit_the_cause(tokens):
+    """A per-micro-batch count is fixed by the step's count; samples compared with each other are not."""
+    torch.manual_seed(0)
+    count = check_accumulation(Tagger(), *tokens, token_mean, micro_batch=2, num_accum=4)
+    assert count.loss_coupling == "count" and len(count.remedies) == 1 and "total count" in count.remedies[0]
+
+    def contrastive(embeddings: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(embeddings @ embeddings.T, torch.arange(len(embeddings)))
+
+    pairs = check_accumulation(nn.Linear(6, 4), torch.rand(8, 6), torch.zeros(8), contrastive, micro_batch=2,
+                               num_accum=4)
+    assert pairs.loss_coupling == "samples" and len(pairs.remedies) == 1 and "in-batch" in pairs.remedies[0]
+
+
+# --- the mode, and the command's words ------------------------------------------------------------------------
+
+def test_the_mode_is_stated_and_the_users_modes_can_be_kept():
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()  # frozen statistics: per sample
+    inputs, targets = torch.rand(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    trained = check_accumulation(model, inputs, targets, micro_batch=2, num_accum=4)
+    assert not trained.safe and trained.mode == "train" and trained.eval_modules == batchnorms(model)
+    assert "mode: training, every module (the model came with 20 in eval mode: bn1, layer1.0.bn1" in str(trained)
+    kept = check_accumulation(model, inputs, targets, micro_batch=2, num_accum=4, modes="keep")
+    assert kept.safe and kept.mode == "keep", str(kept)
+    assert all(not m.training for m in model.modules() if isinstance(m, nn.BatchNorm2d))  # left as it came
+    assert model.training
+
+
+def test_the_command_keeps_the_modes_when_asked(tmp_path, monkeypatch):
+    (tmp_path / "frozen.py").write_text(
+        "from torch import nn\nfrom torchvision.models import resnet18\n\n"
+        "def build():\n    model = resnet18(num_classes=10)\n"
+        "    for m in model.modules():\n        if isinstance(m, nn.BatchNorm2d):\n            m.eval()\n"
+        "    return model\n\n"
+        "def needs(depth):\n    return nn.Linear(2, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, text = run(["frozen:build", "--input-shape", "3,32,32", "--keep-modes"])
+    assert status == 0 and "mode: the model's own training flags (20 modules in eval mode" in text, text
+    status, text = run(["frozen:build", "--input-shape", "3,32,32"])
+    assert status == 1 and "--keep-modes" in text.splitlines()[2], text
+    status, text = run(["frozen:needs"])
+    assert status == 2 and text == ("gaexp-check: error: TARGET='frozen:needs': needs(depth) must be callable with no "
+                                    "arguments (missing a required argument: 'depth')")

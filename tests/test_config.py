@@ -268,7 +268,7 @@ def test_the_docs_key_table_is_generated_from_the_schema():
 LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
           "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
-          "bench", "check_cli", "app", "__main__"]
+          "bench", "check_cli", "zoo", "app", "__main__"]
 
 
 def test_imports_point_down():
