@@ -164,10 +164,6 @@ def _batched(t: Any, n: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == n
 
 
-def _detached(obj: Any) -> Any:
-    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, obj)
-
-
 def _call(fn: Callable[..., Any], inputs: Any) -> Any:
     """model(x), model(*inputs) for a tuple or list, model(**inputs) for a dict."""
     if isinstance(inputs, dict):

@@ -48,14 +48,19 @@ class Subject:
     num_accum: int
 
 
-def _shape(text: str) -> tuple[int, ...]:
+def positive_ints(text: str, valid: str) -> tuple[int, ...]:
+    """Comma-separated positive integers, for argparse: refused in one line saying what is valid."""
     try:
-        shape = tuple(int(s) for s in text.split(","))
+        values = tuple(int(s) for s in text.split(","))
     except ValueError:
-        shape = ()
-    if not shape or any(s < 1 for s in shape):
-        raise argparse.ArgumentTypeError(f"{text!r}; valid: one sample's shape as positive integers, e.g. 3,224,224")
-    return shape
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}; valid: {valid}")
+    return values
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return positive_ints(text, "one sample's shape as positive integers, e.g. 3,224,224")
 
 
 def _keyword(text: str) -> tuple[str, Any]:

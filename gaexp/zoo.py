@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -176,13 +175,9 @@ def run_model(name: str, seeds: Sequence[int], sizes: Sequence[int], timeout: fl
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}; valid: square sizes, smallest first, e.g. 32,64,224")
-    return sizes
+    from gaexp.check_cli import positive_ints
+
+    return positive_ints(text, "square sizes, smallest first, e.g. 32,64,224")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
