@@ -224,7 +224,8 @@ class _Kept:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
+                      if isinstance(v, torch.Tensor)}
         self.buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
         self.grads = [p.grad for p in model.parameters()]
         self.training = {m: m.training for m in model.modules()}
@@ -237,7 +238,11 @@ class _Kept:
                     v.copy_(self.buffers[k])
 
     def restore_all(self) -> None:
-        self.model.load_state_dict(self.state)
+        """Copied back in place: load_state_dict would need the state's metadata (MNASNet refuses it without)."""
+        with torch.no_grad():
+            for k, v in self.model.state_dict(keep_vars=True).items():
+                if k in self.state:
+                    v.copy_(self.state[k])
         for p, g in zip(self.model.parameters(), self.grads):
             p.grad = g
         for m, flag in self.training.items():

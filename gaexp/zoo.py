@@ -44,7 +44,7 @@ def smallest_input(model: Any, sizes: Sequence[int]) -> tuple[int | None, str]:
     in evaluation mode (the model's buffers given back); (None, the last refusal) when none does."""
     import torch
 
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.named_buffers()}  # the forward changes buffers only
     reason = ""
     try:
         for size in sizes:
@@ -59,7 +59,9 @@ def smallest_input(model: Any, sizes: Sequence[int]) -> tuple[int | None, str]:
             except Exception as e:  # noqa: BLE001 - a refusal of this size: try the next
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
     finally:
-        model.load_state_dict(state)
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(state[k])
         model.train()
     return None, reason
 

@@ -547,3 +547,16 @@ def test_the_command_keeps_the_modes_when_asked(tmp_path, monkeypatch):
     status, text = run(["frozen:needs"])
     assert status == 2 and text == ("gaexp-check: error: TARGET='frozen:needs': needs(depth) must be callable with no "
                                     "arguments (missing a required argument: 'depth')")
+
+
+def test_a_model_whose_state_needs_its_metadata_is_given_back_in_place():
+    """MNASNet refuses a state dict without its version metadata: the check copies its state back in place."""
+    from torchvision.models import mnasnet0_5
+
+    torch.manual_seed(0)
+    model = mnasnet0_5()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = check_accumulation(model, torch.rand(8, 3, 32, 32), torch.randint(0, 1000, (8,)), micro_batch=2,
+                                num_accum=4)
+    assert not report.safe and [c.module for c in report.modules] == batch_statistics_layers(model)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
