@@ -220,29 +220,25 @@ def _axes(full: Any, small: Any, n: int, b: int) -> list[int | None] | None:
 # --- the model's state and the random streams, kept and given back ----------------------------------------
 
 class _Kept:
-    """The model's parameters, buffers, gradients and training flags, as they were, to restore."""
+    """The model's buffers, gradients and training flags, as they were, to restore. (A forward and a backward
+    change buffers, such as running statistics, never parameters: those are not copied, which keeps a model of
+    600M parameters within memory.)"""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
-                      if isinstance(v, torch.Tensor)}
         self.buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
         self.grads = [p.grad for p in model.parameters()]
         self.training = {m: m.training for m in model.modules()}
 
     def restore_buffers(self) -> None:
-        """A forward changes buffers (running statistics), never parameters."""
+        """Copied back in place: load_state_dict would need the state's metadata (MNASNet refuses it without)."""
         with torch.no_grad():
             for k, v in self.model.named_buffers():
                 if k in self.buffers:
                     v.copy_(self.buffers[k])
 
     def restore_all(self) -> None:
-        """Copied back in place: load_state_dict would need the state's metadata (MNASNet refuses it without)."""
-        with torch.no_grad():
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                if k in self.state:
-                    v.copy_(self.state[k])
+        self.restore_buffers()
         for p, g in zip(self.model.parameters(), self.grads):
             p.grad = g
         for m, flag in self.training.items():
@@ -485,7 +481,9 @@ def _step(model: nn.Module, kept: _Kept, inputs: Any, targets: Any, n: int, chun
             if not torch.isfinite(loss):
                 raise NonFiniteError(f"the loss is {loss.item()} on {where}, its outputs finite")
             (loss * scale).backward()
-    gradients = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for k, p in params}
+    gradients = {k: (p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for k, p in params}
+    for _, p in params:  # the next step starts from none; these tensors are the step's own, not copied
+        p.grad = None
     for key, g in gradients.items():
         value = _nonfinite(g)
         if value:
