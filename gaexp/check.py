@@ -455,16 +455,12 @@ def _step(model: nn.Module, kept: _Kept, inputs: Any, targets: Any, n: int, chun
         p.grad = None
     whole = len(chunks) == 1
     scale = 1.0 if contract.step or whole else 1.0 / len(chunks)
-    step = "the whole batch" if whole else f"micro-batch {{i}} of {len(chunks)} (rows {{a}}:{{z}})"
     recorder = None
     streams.seed(seed)
     with torch.enable_grad():
         for i, (start, stop) in enumerate(chunks):
             part = _rows(inputs, start, stop, n)
-            where = step.format(i=i + 1, a=start, z=stop)
-            value = _nonfinite(part)
-            if value:
-                raise NonFiniteError(f"the inputs of {where} contain {value}")
+            where = "the whole batch" if whole else f"micro-batch {i + 1} of {len(chunks)} (rows {start}:{stop})"
             try:
                 if whole:
                     with _Recorder(model, streams, draws=False) as recorder:
@@ -555,9 +551,9 @@ def _couplings(model: nn.Module, full: _Recorder, small: _Recorder, n: int, b: i
             untested.append(module_label(name, model))
         elif worst > rtol:
             coupled[name] = Coupling(name, type(module).__name__, worst)
-    ordered = [name for name, _ in model.named_modules()]
-    untested.sort(key=lambda label: ordered.index(label) if label in ordered else -1)
-    return sorted(coupled.values(), key=lambda c: ordered.index(c.module)), untested
+    position = {name: i for i, (name, _) in enumerate(model.named_modules())}  # the root's label sorts first
+    untested.sort(key=lambda label: position.get(label, -1))
+    return sorted(coupled.values(), key=lambda c: position[c.module]), untested
 
 
 # --- the loss ------------------------------------------------------------------------------------------------
@@ -723,6 +719,9 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
         threshold = "given"
     contract = loss_contract(loss)
     chunks = [(i * micro_batch, (i + 1) * micro_batch) for i in range(num_accum)]
+    value = _nonfinite(inputs)
+    if value:
+        raise NonFiniteError(f"the inputs contain {value}")
 
     eval_modules = [module_label(name, model) for name, m in model.named_modules() if not m.training]
     kept, streams = _Kept(model), _Streams(_devices(model))

@@ -130,10 +130,9 @@ def judge(row: dict[str, Any]) -> Judged:
 
 
 def _random(seeds: list[dict[str, Any]]) -> str:
-    kinds: dict[str, int] = {}
-    for t, _ in seeds[0].get("random", []) if seeds else []:
-        kinds[t] = kinds.get(t, 0) + 1
-    return ", ".join(f"{n} {t}" for t, n in kinds.items()) or "none"
+    """The first seed's random modules, counted by type."""
+    types = [t for t, _ in seeds[0].get("random", [])] if seeds else []
+    return ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types)) or "none"
 
 
 def table(judged: list[Judged]) -> str:
@@ -149,11 +148,10 @@ def table(judged: list[Judged]) -> str:
         untested = max((len(s.get("untested", [])) for s in seeds), default=0)
         size = f"3x{r['size']}x{r['size']}" if r.get("size") else "-"
         outcome = j.outcome + (f" ({'; '.join(j.notes)})" if j.notes else "")
-        lines.append(f"| {r['model']} | {size} | {r['params'] / 1e6:.1f}M | {len(r['truth'])} | {verdicts} | "
-                     f"{'yes' if named else 'no'} | {_random(seeds)} | {untested} | "
-                     f"{max(seconds):.1f} | {outcome} |" if seconds else
-                     f"| {r['model']} | {size} | {r['params'] / 1e6:.1f}M | {len(r['truth'])} | {verdicts} | - | - | - "
-                     f"| - | {outcome} |")
+        checked = [("yes" if named else "no"), _random(seeds), str(untested), f"{max(seconds):.1f}"] if seconds \
+            else ["-"] * 4
+        lines.append(" | ".join(["", r["model"], size, f"{r['params'] / 1e6:.1f}M", str(len(r["truth"])), verdicts,
+                                 *checked, outcome, ""]).strip())
     counts: dict[str, int] = {}
     for j in judged:
         counts[j.outcome] = counts.get(j.outcome, 0) + 1

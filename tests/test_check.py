@@ -21,6 +21,7 @@ from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError,
 from gaexp.check_cli import _finite, run
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import norm2d
+from gaexp.zoo import truth
 
 
 @pytest.fixture(scope="module")
@@ -278,11 +279,6 @@ def test_the_command_refuses_bad_input_with_exit_2(argv, message, capsys):
 
 # --- stock models: no false alarm, no miss, the same verdict at every seed ---------------------------------
 
-def batch_statistics_layers(model: nn.Module) -> list[str]:
-    """The truth, worked out without the check: the BatchNorm layers in training mode."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-
-
 @pytest.mark.parametrize("builder", ["convnext_tiny", "efficientnet_b0", "mobilenet_v3_small", "squeezenet1_1"])
 def test_a_stock_model_gets_the_truth_at_every_seed(builder):
     """ConvNeXt (LayerNorm, stochastic depth behind a 1e-6 layer scale), EfficientNet (BatchNorm, stochastic
@@ -296,8 +292,8 @@ def test_a_stock_model_gets_the_truth_at_every_seed(builder):
         generator = torch.Generator().manual_seed(seed)
         inputs, targets = torch.rand(8, 3, 32, 32, generator=generator), torch.randint(0, 1000, (8,), generator=generator)
         report = check_accumulation(model, inputs, targets, micro_batch=2, num_accum=4, seed=seed)
-        truth = batch_statistics_layers(model)
-        assert report.safe == (not truth) and [c.module for c in report.modules] == truth, (builder, seed, str(report))
+        expected = truth(model)  # the zoo's truth: the BatchNorms in training mode
+        assert report.safe == (not expected) and [c.module for c in report.modules] == expected, (builder, seed, str(report))
         randoms = {m.type for m in report.stochastic}
         assert randoms == {"convnext_tiny": {"StochasticDepth"}, "efficientnet_b0": {"StochasticDepth", "Dropout"},
                            "mobilenet_v3_small": {"Dropout"}, "squeezenet1_1": {"Dropout"}}[builder]
@@ -558,5 +554,5 @@ def test_a_model_whose_state_needs_its_metadata_is_given_back_in_place():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     report = check_accumulation(model, torch.rand(8, 3, 32, 32), torch.randint(0, 1000, (8,)), micro_batch=2,
                                 num_accum=4)
-    assert not report.safe and [c.module for c in report.modules] == batch_statistics_layers(model)
+    assert not report.safe and [c.module for c in report.modules] == truth(model)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
