@@ -419,10 +419,23 @@ class LogOfNegative(nn.Module):
         return torch.log(x - 2.0)
 
 
+class LogIntoLinear(nn.Module):
+    """NaN made by its own forward, then passed through a child: the NaN is this module's, not the child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.log(x - 2.0))
+
+
 @pytest.mark.parametrize("model,loss,where", [
     (nn.Linear(4, 3), lambda out, t: out.sum() * float("nan"), "the loss is nan on the whole batch, its outputs finite"),
     (nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Identity(), LogOfNegative()), nn.Linear(4, 3)), None,
      "nan first appears in the output of 1.1 (LogOfNegative) in the forward of the whole batch"),
+    (nn.Sequential(nn.Linear(4, 4), LogIntoLinear(), nn.Linear(4, 3)), None,
+     "nan first appears in the output of 1 (LogIntoLinear) in the forward of the whole batch"),
     (nn.Sequential(nn.Linear(4, 4), SqrtOfZero(), nn.Linear(4, 3)), None,
      "the gradient of 0.weight is nan after the step of the whole batch, the loss finite"),
 ])
