@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -292,6 +293,10 @@ def render_nonfinite(e: NonFiniteError, subject: Subject, args: argparse.Namespa
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The console script: the current folder first on the import path, as `python -m gaexp.check_cli` has it,
+    so `gaexp-check mynets:build` and `--loss mynets:loss` find a mynets.py beside the user."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     status, text = run(argv)
     print(text, file=sys.stderr if status == BAD_INPUT else sys.stdout)
     sys.exit(status)

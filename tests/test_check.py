@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -569,3 +571,13 @@ def test_a_model_whose_state_needs_its_metadata_is_given_back_in_place():
                                 num_accum=4)
     assert not report.safe and [c.module for c in report.modules] == truth(model)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_console_script_imports_a_loss_from_the_folder_it_runs_in(tmp_path):
+    """As docs/usage.md runs it: mynets.py in the current folder, `gaexp-check ... --loss mynets:nan_loss`."""
+    (tmp_path / "mynets.py").write_text("def nan_loss(outputs, targets): return outputs.sum() * float('nan')\n")
+    script = Path(sys.executable).parent / "gaexp-check"
+    done = subprocess.run([str(script), "torchvision.models:squeezenet1_1", "--input-shape", "3,32,32", "--loss",
+                           "mynets:nan_loss"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 3 and done.stdout.splitlines()[1].startswith("NON-FINITE: the loss is nan"), done.stderr
