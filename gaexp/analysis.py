@@ -580,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="'latest' (the sweep of the newest run), 'all', a sweep id, or several "
                              "comma-separated (default: %(default)s)")
     parser.add_argument("--dataset", default=None,
-                        help="the runs of this dataset only (data.dataset: mnist, fashion_mnist); needed when the "
+                        help="the runs of this dataset only (data.dataset: mnist, cifar10, your folder's name, ...); needed when the "
                              "sweep ran several (default: all, which must be one)")
     parser.add_argument("--model", default=None,
                         help="the runs of this model only (model.name: simple, resnet20, ...); needed when the "

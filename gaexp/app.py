@@ -24,11 +24,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
-from gaexp import analysis, norms, tracking, tuning
+from gaexp import analysis, datasets, norms, tracking, tuning
 from gaexp.batched import coupled_layers
-from gaexp.batches import Split, holdout_split, load_split, to_input
+from gaexp.batches import Split
 from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, RegimeConfig, require, typed
-from gaexp.data import check_num_train, ensure_data, raw_dir
+from gaexp.data import raw_dir
 from gaexp.machine import usable_cores
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
@@ -50,10 +50,11 @@ def job_config(cfg: DictConfig) -> DictConfig:
 
 def check(cfg: DictConfig) -> Config:
     """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
-    ranges (gaexp/config.py), the norm's options against the model (e.g. norm.groups against its channels),
-    a compile that cannot run, a model accumulate=batched cannot chunk, and for a search an objective without a value."""
+    ranges (gaexp/config.py), the model against the data's shape and classes and the norm's options against
+    the model (e.g. norm.groups against its channels), a compile that cannot run, a model accumulate=batched
+    cannot chunk, and for a search an objective without a value."""
     c = typed(cfg)
-    model = check_model(c)
+    model = check_model(c, *datasets.describe(c.data))
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
@@ -77,8 +78,8 @@ def prepare(cfg: DictConfig) -> str:
         tuning.check_objective(c.train.num_iterations, c.analysis)
         tuning.check_direction(cfg.hydra.sweeper.direction)
     tracking.check_server(c.mlflow.tracking_uri)
-    ensure_data(c.data)
-    check_num_train(c.data)
+    datasets.fetch(c.data)  # files, a download, a folder's cache: ready before any job
+    datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is recorded
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
@@ -231,17 +232,13 @@ def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Conf
     return done
 
 
-def build(c: Config, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
-    """The data on `device` (validation: the test set, or images held out of training), and the model
-    initialized from the seed."""
-    train_data = load_split(c.data, train=True, device=device)
-    if c.data.holdout:
-        train_data, valid_data = holdout_split(train_data, c.data.holdout)
-    else:
-        valid_data = load_split(c.data, train=False, device=device)
+def build(c: Config, dataset: datasets.Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
+    """The data on `device` (validation: the test set, or images held out of training), and the model for its
+    shape and classes, initialized from the seed."""
+    train_data, valid_data = datasets.splits(dataset, c.data.holdout, device)
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
-    model = make_model(c).to(device, memory_format=torch.channels_last)
-    return model, train_data, valid_data
+    model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
+    return model.to(device, memory_format=torch.channels_last), train_data, valid_data
 
 
 def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
@@ -250,9 +247,9 @@ def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, en
     the study's memory column) and, for accumulate=batched, for the b*k samples of a step
     (`batched_activation_mb`); then the process peaks start from here."""
     b, n = regime.batch_size, regime.batch_size * regime.num_accum
-    memory = {"activation_mb": activation_bytes(model, to_input(data.images[:b]), data.labels[:b]) / 2**20}
+    memory = {"activation_mb": activation_bytes(model, data.inputs(slice(0, b)), data.labels[:b]) / 2**20}
     if engine == "batched":
-        memory["batched_activation_mb"] = activation_bytes(model, to_input(data.images[:n]), data.labels[:n]) / 2**20
+        memory["batched_activation_mb"] = activation_bytes(model, data.inputs(slice(0, n)), data.labels[:n]) / 2**20
     reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -260,7 +257,8 @@ def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, en
 
 
 def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
-                    valid_data: Split, device: torch.device, memory: dict[str, float], client: MlflowClient,
+                    valid_data: Split, meta: datasets.Meta, device: torch.device, memory: dict[str, float],
+                    client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None) -> float:
     """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
     value `returned_value` gives. `bar`: a tqdm bar
@@ -279,8 +277,12 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
             tracking.log_params(client, run_id, resolved)
-            tracking.log_data_inputs(client, run_id, c.data.dataset, raw_dir(c.data), c.data.files, c.data.holdout,
-                                     len(train_data.labels), len(valid_data.labels))
+            if meta.digest is None:  # an idx dataset: its verified files
+                tracking.log_data_inputs(client, run_id, c.data.dataset, raw_dir(c.data), c.data.files,
+                                         c.data.holdout, len(train_data), len(valid_data))
+            else:
+                tracking.log_content_inputs(client, run_id, dataclasses.asdict(meta), resolved["data"],
+                                            len(train_data), len(valid_data))
             with tempfile.TemporaryDirectory() as tmp:
                 (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
                 client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
@@ -333,7 +335,9 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
         torch.set_num_threads(threads)
     client = MlflowClient(c.mlflow.tracking_uri)
     experiment_id = tracking.experiment_id(client, c.mlflow.experiment_name)
+    dataset = datasets.open_dataset(c.data, progress=False if in_sweep else c.progress)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["data"]["digest"] = dataset.meta.digest  # what it is, not only where: a changed folder is another protocol
     key = tracking.protocol_key(resolved)
     done = skip_if_finished(client, experiment_id, key, c, sweep_id)
     if done is not None:
@@ -341,10 +345,10 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, gues
             return done.data.metrics["final_valid_acc"]
         history = client.get_metric_history(done.info.run_id, "valid_acc")
         return returned_value(c, sorted((m.step, m.value) for m in history))
-    model, train_data, valid_data = build(c, device)
+    model, train_data, valid_data = build(c, dataset, device)
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
-    return train_and_track(c, resolved, key, model, train_data, valid_data, device, memory, client,
+    return train_and_track(c, resolved, key, model, train_data, valid_data, dataset.meta, device, memory, client,
                            experiment_id, sweep_id, hydra_dir, bar)
 
 

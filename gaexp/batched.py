@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gaexp.batches import Split, to_input
+from gaexp.batches import Draw, Split
 from gaexp.model import ZeroPadShortcut
 from gaexp.norms import BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 
@@ -94,13 +94,13 @@ class Chunking:
             del layer.forward
 
 
-def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[torch.Tensor], num_accum: int,
+def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[Draw], num_accum: int,
                        chunking: Chunking) -> torch.Tensor:
     """The loop's step (gaexp/train.py `accumulate`) in one pass: the next `num_accum` micro-batches' samples,
     in order, one forward (coupling layers chunked) and one backward of their mean loss; returns that loss
     as a device tensor (no host synchronization)."""
-    idx = torch.cat([next(batches) for _ in range(num_accum)])
+    inputs, labels = data.batch(Draw.cat([next(batches) for _ in range(num_accum)]))
     with chunking:
-        loss = F.cross_entropy(model(to_input(data.images[idx])), data.labels[idx])
+        loss = F.cross_entropy(model(inputs), labels)
     loss.backward()
     return loss.detach()

@@ -31,9 +31,10 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import ToTensor
 
-from gaexp.batches import IN_CHANNELS, NUM_CLASSES, Split, load_split, micro_batch_indices
+from gaexp.batches import Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, regime_name
-from gaexp.data import DataError, data_config, datasets, ensure_data, torchvision_class
+from gaexp.data import DataError, data_config, datasets, torchvision_class
+from gaexp.datasets import fetch, open_dataset, splits
 from gaexp.model import load
 from gaexp.norms import norm2d
 from gaexp.train import compile_phases, evaluate, resolve_device, step_function
@@ -54,18 +55,22 @@ def models() -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml") if "???" not in p.read_text())
 
 
-def build(model: str, norm: str) -> torch.nn.Module:
-    """conf/model/<model>.yaml's network with `norm`, as a cell builds it."""
+def build(model: str, norm: str, in_channels: int, num_classes: int) -> torch.nn.Module:
+    """conf/model/<model>.yaml's network with `norm`, as a cell builds it for the dataset's channels and classes."""
     target = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{model}.yaml").target
-    return load(target)(norm_layer=partial(norm2d, norm), in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
+    return load(target)(norm_layer=partial(norm2d, norm), in_channels=in_channels, num_classes=num_classes)
 
 
-def model_and_forward(model_name: str, norm: str, device: torch.device,
+def _built(data: Split, model: str, norm: str) -> torch.nn.Module:
+    return build(model, norm, data.images.shape[1], int(data.labels.max()) + 1)
+
+
+def model_and_forward(data: Split, model_name: str, norm: str, device: torch.device,
                       compiled: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The model as a cell builds it, and what runs it: the model, or its compiled graph starting, as
+    """The model as a cell builds it for `data`, and what runs it: the model, or its compiled graph starting, as
     `train` does, with no graphs in memory."""
     torch.manual_seed(0)
-    model = build(model_name, norm).to(device, memory_format=torch.channels_last)
+    model = _built(data, model_name, norm).to(device, memory_format=torch.channels_last)
     if not compiled:
         return model, model
     torch._dynamo.reset()
@@ -76,9 +81,9 @@ def training(data: Split, model_name: str, norm: str, b: int, k: int, samples: i
              compiled: bool, engine: str = "loop") -> tuple[float, float]:
     """(samples/s of optimizer steps after the first, compiled: seconds of the first step beyond a steady one);
     `engine`: accumulate=loop or batched."""
-    model, forward = model_and_forward(model_name, norm, device, compiled)
+    model, forward = model_and_forward(data, model_name, norm, device, compiled)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    batches = micro_batch_indices(len(data.labels), b, 0, device)
+    batches = micro_batches(len(data), b, 0, data.augment, device)
     gradient = step_function(engine, model, b)
 
     def step() -> None:
@@ -101,8 +106,8 @@ def training(data: Split, model_name: str, norm: str, b: int, k: int, samples: i
 
 def evaluation(valid: Split, model_name: str, norm: str, images: int, device: torch.device, compiled: bool) -> tuple[float, float]:
     """(images/s of `evaluate` in batches of 256, compiled: seconds of the first pass beyond a steady one)."""
-    _, forward = model_and_forward(model_name, norm, device, compiled)
-    split = Split(valid.images[:images], valid.labels[:images])
+    _, forward = model_and_forward(valid, model_name, norm, device, compiled)
+    split = valid.take(slice(0, images))
     tic = time.perf_counter()
     evaluate(forward, split)
     first = time.perf_counter() - tic
@@ -112,12 +117,17 @@ def evaluation(valid: Split, model_name: str, norm: str, images: int, device: to
     return images / seconds, max(0.0, first - seconds) if compiled else 0.0
 
 
+def naive_shape(source: DataConfig) -> tuple[int, int]:
+    """(channels, classes) of the dataset the naive side reads with its torchvision class (the MNIST family)."""
+    return source.shape[0], source.num_classes
+
+
 def naive_training(source: DataConfig, model_name: str, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
     """Samples/s of the usual loop: DataLoader + ToTensor, NCHW, `.item()` every micro-step."""
     loader = DataLoader(torchvision_class(source)(source.root, train=True, transform=ToTensor()), batch_size=b,
                         shuffle=True)
     torch.manual_seed(0)
-    model = build(model_name, norm)
+    model = build(model_name, norm, *naive_shape(source))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     running, micro_steps = 0.0, samples // b
     tic = time.perf_counter()
@@ -135,7 +145,7 @@ def naive_training(source: DataConfig, model_name: str, norm: str, b: int, k: in
 
 def naive_evaluation(source: DataConfig, model_name: str, norm: str, images: int) -> tuple[float, float]:
     """Images/s of the usual evaluation: batches of 32, NumPy argmax."""
-    model = build(model_name, norm).eval()
+    model = build(model_name, norm, *naive_shape(source)).eval()
     test = torchvision_class(source)(source.root, train=False, transform=ToTensor())
     loader = DataLoader(Subset(test, range(images)), batch_size=32)
     correct = 0
@@ -216,10 +226,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = resolve_device(args.device)
     try:
         source = data_config(args.dataset, args.data_root)
-        ensure_data(source)
-    except DataError as e:
+        if args.naive and source.kind != "idx":
+            raise DataError(f"--naive reads the data with its torchvision MNIST-family class; --dataset "
+                            f"{args.dataset} is data.kind={source.kind}; valid with --naive: an idx dataset")
+        fetch(source)
+        dataset = open_dataset(source)
+    except (DataError, ValueError) as e:
         sys.exit(f"error: {e}")
-    data, valid = load_split(source, True, device), load_split(source, False, device)
+    data, valid = splits(dataset, 0 if dataset.test is not None else len(dataset.train) // 6, device)
     torch.set_num_threads(args.threads)
     print(f"inputs: model {args.model}; norms {','.join(args.norms)}; regimes {','.join(args.regimes)}; device {device}, "
           f"{args.threads} thread(s); {args.samples} training samples and {args.eval_images} test images per "

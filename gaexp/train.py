@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gaexp.batched import Chunking, accumulate_batched
-from gaexp.batches import Split, micro_batch_indices, to_input
+from gaexp.batches import Draw, Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import COMPILED_TRAINING
@@ -64,8 +64,7 @@ def compile_phases(choice: str, norm: str, device: torch.device) -> frozenset[st
     return phases[choice]
 
 
-def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[torch.Tensor],
-               num_accum: int) -> torch.Tensor:
+def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num_accum: int) -> torch.Tensor:
     """Forward and backward `num_accum` micro-batches, each loss scaled by 1/k.
 
     Gradients add up in `.grad`; returns the step's mean unscaled loss as a
@@ -73,8 +72,8 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[torch.Tens
     """
     total = torch.zeros((), device=data.labels.device)
     for _ in range(num_accum):
-        idx = next(batches)
-        loss = F.cross_entropy(model(to_input(data.images[idx])), data.labels[idx])
+        inputs, labels = data.batch(next(batches))
+        loss = F.cross_entropy(model(inputs), labels)
         (loss / num_accum).backward()
         total += loss.detach()
     return total / num_accum
@@ -98,7 +97,7 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> floa
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=data.labels.device)
     for start in range(0, len(data.labels), batch_size):
-        logits = model(to_input(data.images[start:start + batch_size]))
+        logits = model(data.inputs(slice(start, start + batch_size)))
         correct += (logits.argmax(dim=1) == data.labels[start:start + batch_size]).sum()
     model.train(was_training)
     return correct.item() / len(data.labels)
@@ -108,7 +107,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
           seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset(),
           engine: str = "loop") -> list[EvalPoint]:
     """Adam on `cfg.num_iterations` optimizer steps of `regime.num_accum` micro-batches of `regime.batch_size`,
-    in the data order of `seed`, each step's micro-batches computed by `engine` (`step_function`); evaluates
+    in the data order of `seed` (and its augmentation, `train_data.augment`), each step's micro-batches computed by `engine` (`step_function`); evaluates
     every `cfg.eval_period` steps and at the last step. The phases in `compiled` run through torch.compile,
     one static graph per shape (Inductor caches them on disk)."""
     if compiled:  # a worker process runs many cells: start each with no graphs in memory, or Dynamo's
@@ -117,7 +116,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
     eval_forward = torch.compile(model, dynamic=False) if "eval" in compiled else model
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     gradient = step_function(engine, model, regime.batch_size)
-    batches = micro_batch_indices(len(train_data.labels), regime.batch_size, seed, train_data.labels.device)
+    batches = micro_batches(len(train_data), regime.batch_size, seed, train_data.augment, train_data.labels.device)
     losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's mean unscaled loss
     history: list[EvalPoint] = []
     train_seconds, tic = 0.0, time.perf_counter()

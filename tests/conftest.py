@@ -23,9 +23,10 @@ from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 
 from gaexp import analysis
-from gaexp.batches import Split, load_split
+from gaexp.batches import Split
 from gaexp.config import CONFIG_DIR
 from gaexp.data import DataError, data_config, ensure_data
+from gaexp.datasets import Dataset, open_dataset
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
@@ -108,19 +109,24 @@ def machine(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def train_split(data_root: Path) -> Split:
-    return load_split(data_config("mnist", data_root), train=True)
+def mnist_data(data_root: Path) -> Dataset:
+    return open_dataset(data_config("mnist", data_root))
 
 
 @pytest.fixture(scope="session")
-def valid_split(data_root: Path) -> Split:
-    return load_split(data_config("mnist", data_root), train=False)
+def train_split(mnist_data: Dataset) -> Split:
+    return mnist_data.train
+
+
+@pytest.fixture(scope="session")
+def valid_split(mnist_data: Dataset) -> Split:
+    return mnist_data.test
 
 
 @pytest.fixture(scope="session")
 def small_valid(valid_split: Split) -> Split:
     """The first 500 test images: enough to check evaluation, cheap enough to run often."""
-    return Split(valid_split.images[:500], valid_split.labels[:500])
+    return valid_split.take(slice(0, 500))
 
 
 @pytest.fixture(scope="session")

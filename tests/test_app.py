@@ -156,7 +156,7 @@ def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell
     assert run.info.run_name == "tiny-in_running-bs4a4-s1" and run.data.metrics["final_valid_acc"] == accuracy
     assert (run.data.tags["model"], run.data.tags["norm"]) == ("tiny", "in_running")
     assert run.data.params["norm.target"] == "torch.nn:InstanceNorm2d" and run.data.params["model.target"] == "tiny_nets:build"
-    norm = app.make_model(app.typed(cfg))[1]
+    norm = app.make_model(app.typed(cfg), 1, 10)[1]
     assert type(norm) is torch.nn.InstanceNorm2d and norm.affine and norm.track_running_stats
     bad = compose(*TINY, f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "norm=in_running", "+norm.params.nope=1",
                   outputs=tmp_path / "out")
@@ -229,7 +229,7 @@ def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_one
     seen = {}
 
     def spy(model, train_data, valid_data, *args, **kwargs):
-        seen["train"], seen["valid"] = train_data.images[:, 0, 0].tolist(), valid_data.images[:, 0, 0].tolist()
+        seen["train"], seen["valid"] = train_data.images[:, 0, 0, 0].tolist(), valid_data.images[:, 0, 0, 0].tolist()
         return real_train(model, train_data, valid_data, *args, **kwargs)
 
     real_train = app.train

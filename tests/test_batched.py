@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gaexp.batched import Chunking, UnchunkableError, accumulate_batched, coupled_layers
-from gaexp.batches import micro_batch_indices
+from gaexp.batches import micro_batches
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import BatchRenorm2d, layer
 from gaexp.train import accumulate, step_function
@@ -72,7 +72,7 @@ def trajectory(engine: str, norm: str, b: int, k: int, data, model: str = "simpl
     corrections = record_corrections(net)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
     gradient = step_function(engine, net, b)
-    batches = micro_batch_indices(len(data.labels), b, 1)
+    batches = micro_batches(len(data.labels), b, 1)
     snapshots = {}
     for step in range(1, steps + 1):
         gradient(net, data, batches, k)

@@ -62,9 +62,10 @@ def test_benchmark_times_the_compiled_side_beside_the_eager_one(data_root, capsy
 
 def test_the_benchmark_builds_the_chosen_model_as_a_cell_does():
     assert bench.models() == ["resnet20", "simple"]  # custom needs a target given on the command line
-    model = bench.build("resnet20", "gn4")
+    model = bench.build("resnet20", "gn4", 3, 100)
     assert type(model) is ResNet20 and sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules()) == 19
-    assert type(bench.build("simple", "bn")) is SimpleModel
+    assert model(torch.rand(2, 3, 32, 32)).shape == (2, 100)  # the dataset's channels and classes
+    assert type(bench.build("simple", "bn", 1, 10)) is SimpleModel
 
 
 @pytest.mark.parametrize("argv,message", [

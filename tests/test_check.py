@@ -18,7 +18,7 @@ from torch import nn
 from torchvision.models import resnet18
 
 from conftest import REPO
-from gaexp.batches import to_input
+
 from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError, check_accumulation
 from gaexp.check_cli import _finite, run
 from gaexp.model import ResNet20, SimpleModel
@@ -29,7 +29,7 @@ from gaexp.zoo import truth
 @pytest.fixture(scope="module")
 def mnist_batch(train_split):
     """8 real MNIST images as the model takes them, and their labels."""
-    return to_input(train_split.images[:8]).contiguous(), train_split.labels[:8]
+    return train_split.inputs(slice(0, 8)).contiguous(), train_split.labels[:8]
 
 
 def batchnorms(model: nn.Module) -> list[str]:
@@ -268,7 +268,7 @@ def test_the_command_takes_the_regime_and_an_import_path():
                                                             "(gaexp-check --help lists the options)"),
     ([], "the following arguments are required: TARGET"),
     (["model=simple", "norm=gn4", "--accum", "1"], "--micro-batch 2 --accum 1; valid: b >= 1, k >= 2"),
-    (["model=simple", "norm=gn4", "--data", "cifar"], "--data 'cifar'; valid: random, fashion_mnist, mnist"),
+    (["model=simple", "norm=gn4", "--data", "cifar"], "--data 'cifar'; valid: random, cifar10, cifar100, custom, fashion_mnist, imagefolder, mnist, svhn"),
     (["model=resnet20", "norm=gn", "norm.groups=32"], "norm.groups=32 does not divide the channels"),
     (["model=simple", "norm=nosuch"], "nosuch"),
     (["model=simple", "--device", "tpu"], "--device 'tpu'; valid: auto, cpu, cuda"),

@@ -194,12 +194,14 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     runtime = runtime_keys()
     assert {"threads", "compile", "rerun", "progress", "cells_at_once", "paths.outputs", "data.root", "data.sources",
             "mlflow.tracking_uri", "mlflow.experiment_name", "analysis.window_start", "optuna.trial"} <= set(runtime)
-    assert {"data.torchvision", "data.files", "data.num_train", "data.pypi", "data.debian"} <= set(runtime)
+    assert {"data.torchvision", "data.files", "data.num_train", "data.pypi", "data.debian", "data.kind", "data.path",
+            "data.target", "data.params", "data.shape", "data.num_classes", "data.max_memory_mb"} <= set(runtime)
     assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
     assert PROTOCOL_COLUMNS == ["model.name", "model.target", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
-                                "train.eval_batch_size", "accumulate", "data.dataset", "data.holdout"]
+                                "train.eval_batch_size", "accumulate", "data.dataset", "data.size", "data.channels",
+                                "data.mean", "data.std", "data.augment", "data.digest", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     # a sweep folder's name, and an Optuna study's identity, leave out the runtime keys but those deciding what a
     # trial returns
@@ -265,7 +267,7 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["machine", "config", "configdocs", "targets", "data", "batches", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
+LAYERS = ["machine", "config", "configdocs", "targets", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
           "tracking", "progress", "tuning", "analysis",
           "ui", "compare",
           "bench", "check_cli", "zoo", "app", "__main__"]

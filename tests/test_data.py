@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torchvision.datasets import MNIST, FashionMNIST
+from torchvision.transforms import ToTensor
 
 from gaexp import batches, data
 from gaexp.batches import micro_batch_indices, to_input
+from gaexp.config import CONFIG_DIR
 from gaexp.data import DataError, data_config, ensure_data, raw_dir, verify_raw
 
 MNIST_MD5 = data_config("mnist").files
@@ -34,9 +37,11 @@ def copy_raw(src_root: Path, dst_root: Path) -> Path:
     return dst
 
 
-def test_every_dataset_is_four_idx_files_with_sources_it_has():
-    assert data.datasets() == ["fashion_mnist", "mnist"]
-    for name in data.datasets():
+def test_every_idx_dataset_is_four_idx_files_with_sources_it_has():
+    assert data.datasets() == ["cifar10", "cifar100", "custom", "fashion_mnist", "imagefolder", "mnist", "svhn"]
+    idx = [name for name in data.datasets() if OmegaConf.load(Path(CONFIG_DIR, "data", f"{name}.yaml")).kind == "idx"]
+    assert idx == ["fashion_mnist", "mnist"]
+    for name in idx:
         d = data_config(name)
         assert d.dataset == name and sorted(d.files) == sorted(data.IDX_NAMES) and d.num_train == 60_000
         assert all(len(md5) == 32 for md5 in d.files.values())
@@ -46,14 +51,15 @@ def test_every_dataset_is_four_idx_files_with_sources_it_has():
 
 
 def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
-    with pytest.raises(DataError, match=r"dataset 'cifar10'; valid: fashion_mnist, mnist"):
-        data_config("cifar10")
+    with pytest.raises(DataError, match=r"dataset 'cifar'; valid: cifar10, cifar100, custom, fashion_mnist, "
+                                        r"imagefolder, mnist, svhn"):
+        data_config("cifar")
     with pytest.raises(ValueError, match=r"data.sources=\['local', 'pypi'\]; valid: a list of local, torchvision, "
                                          r"debian \(the sources of data=fashion_mnist\)"):
         data_config("fashion_mnist", sources=["local", "pypi"])
     with pytest.raises(ValueError, match=r"data.sources=\['s3'\]; valid: a list of local, torchvision, pypi, debian"):
         data_config("mnist", sources=["s3"])
-    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid: .*FashionMNIST.*MNIST"):
+    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid for data.kind=idx: .*FashionMNIST.*MNIST"):
         ensure_data(dataclasses.replace(mnist(tmp_path), torchvision="CIFAR10"))
 
 
@@ -132,9 +138,11 @@ def test_offline_wheel_rebuild_produces_verified_files(data_root, tmp_path):
 
 
 def test_to_input_matches_to_tensor_scaling(train_split):
-    x = to_input(train_split.images[:3])
+    assert train_split.images.shape == (60_000, 1, 28, 28) and train_split.images.dtype == torch.uint8
+    x = train_split.inputs(slice(0, 3))
     assert x.shape == (3, 1, 28, 28) and x.dtype == torch.float32
-    assert torch.equal(x, train_split.images[:3].unsqueeze(1).float() / 255)
+    assert torch.equal(x, ToTensor()(train_split.images[:3, 0].permute(1, 2, 0).numpy())[:, None])
+    assert torch.equal(to_input(train_split.images[:3, 0]), x)
     assert x.max().item() == 1.0 and x.min().item() == 0.0
 
 

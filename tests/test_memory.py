@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gaexp.batches import to_input
+
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
 from gaexp.norms import layer
@@ -22,7 +22,7 @@ def test_activation_bytes_of_a_linear_layer_by_hand():
 def test_activation_memory_scales_with_the_micro_batch(train_split):
     model = SimpleModel(layer("bn")).to(memory_format=torch.channels_last)
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
-    sizes = {b: activation_bytes(model, to_input(train_split.images[:b]), train_split.labels[:b]) for b in (1, 4, 16)}
+    sizes = {b: activation_bytes(model, train_split.inputs(slice(0, b)), train_split.labels[:b]) for b in (1, 4, 16)}
     assert 450_000 < sizes[1] < 600_000  # about 0.5 MB of activations per image
     assert abs(sizes[16] / sizes[1] - 16) < 0.5 and abs(sizes[4] / sizes[1] - 4) < 0.2
     assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())  # measured on a copy

@@ -75,7 +75,7 @@ def test_resnet20_is_he_et_als_with_a_norm_after_every_convolution():
 def test_every_norm_trains_in_resnet20_at_micro_batch_1(compose):
     for norm in NORMS:
         c = typed(compose("model=resnet20", f"norm={norm}", "regime=bs1a16"))
-        model = make_model(c)
+        model = make_model(c, 1, 10)
         F.cross_entropy(model(torch.rand(1, 1, 28, 28)), torch.tensor([3])).backward()  # BatchNorm needs 2 values
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), norm
         assert model.eval()(torch.rand(3, 1, 28, 28)).shape == (3, 10), norm
@@ -106,7 +106,7 @@ def user_models(tmp_path, monkeypatch):
 def test_a_users_model_loads_by_import_path(user_models, compose):
     assert load(f"{user_models}:build") is load(f"{user_models}.build")  # both spellings
     c = check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=4"))
-    assert c.run_name == "custom-gn-bs16a1-s1" and make_model(c)[1].num_groups == 4
+    assert c.run_name == "custom-gn-bs16a1-s1" and make_model(c, 1, 10)[1].num_groups == 4
     with pytest.raises(ValueError, match=r"norm.groups=3 does not divide the channels \[8\] of model=custom"):
         check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=3"))
 
@@ -118,8 +118,9 @@ def test_a_users_model_loads_by_import_path(user_models, compose):
     ("user_nets:positional", r"^model.target='user_nets:positional': positional\(a, b, c\) must take "
                              r"norm_layer=, in_channels=, num_classes=$"),
     ("user_nets:wrong_output", r"^model.target='user_nets:wrong_output': a batch of 2 images gave output of shape "
-                               r"\(2, 5408\); expected \(2, 10\) logits$"),
-    ("user_nets:fails", r"^model.target='user_nets:fails': its forward fails on a batch of shape \(2, 1, 28, 28\): "
+                               r"\(2, 5408\); expected \(2, 10\) logits \(data=mnist has 10 classes\)$"),
+    ("user_nets:fails", r"^model.target='user_nets:fails': its forward fails on a batch of shape \(2, 1, 28, 28\) "
+                        r"\(data=mnist\): "
                         r"RuntimeError: "),
 ])
 def test_a_bad_model_is_one_line_naming_what_was_expected(user_models, compose, target, message):

@@ -134,7 +134,10 @@ BAD = {
     "dataset's source": (["data=fashion_mnist", "data.sources=[pypi]"], ValueError,
                          r"data.sources=\['pypi'\]; valid: a list of local, torchvision, debian \(the sources of "
                          r"data=fashion_mnist\)"),
-    "dataset": (["data=cifar10"], Exception, r"Could not find 'data/cifar10'(.|\n)*Available options in 'data':\n\tfashion_mnist\n\tmnist"),
+    "dataset": (["data=cifar"], Exception, r"Could not find 'data/cifar'(.|\n)*Available options in 'data':\n\tcifar10\n"
+                                           r"\tcifar100\n\tcustom\n\tfashion_mnist\n\timagefolder\n\tmnist\n\tsvhn"),
+    "dataset offline": (["data=cifar10"], Exception, r"data=cifar10: no CIFAR10 files in .*/CIFAR10 \(looked for "
+                                                     r"cifar-10-batches-py/data_batch_1, .*; put them there"),
     "hold-out": (["data.holdout=60000"], ValueError, r"data.holdout=60000; valid: an integer in \[0, 60000\)"),
     "training images": (["data.num_train=50000"], ValueError,
                         r"data.num_train=50000; valid: 60000 \(the images in train-images-idx3-ubyte of data=mnist\)"),

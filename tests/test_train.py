@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gaexp.batches import Split, micro_batch_indices, to_input
+from gaexp.batches import Split, micro_batch_indices, micro_batches
 from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.hooks import DivergedError, DivergenceCheck, EvalPoint, Hook, Progress
 from gaexp.model import ResNet20, SimpleModel
@@ -31,7 +31,7 @@ def model_for(norm: str, seed: int = 1, model: str = "simple", **options: int) -
 
 def one_step_gradients(norm, batch_size, num_accum, data, seed=1, model="simple"):
     model = model_for(norm, seed, model)
-    loss = accumulate(model, data, micro_batch_indices(len(data.labels), batch_size, seed), num_accum)
+    loss = accumulate(model, data, micro_batches(len(data.labels), batch_size, seed), num_accum)
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
@@ -70,7 +70,7 @@ def test_compiled_training_gradients_match_the_eager_layers(norm, train_split):
     loss, reference = one_step_gradients(norm, 4, 4, train_split)
     model = model_for(norm)
     compiled_loss = accumulate(torch.compile(model, dynamic=False), train_split,
-                               micro_batch_indices(len(train_split.labels), 4, 1), 4)
+                               micro_batches(len(train_split.labels), 4, 1), 4)
     grads = [p.grad for p in model.parameters()]
     assert compiled_loss.item() == pytest.approx(loss, rel=1e-6)
     assert relative_differences(grads, reference)[0] < 1e-5
@@ -93,12 +93,12 @@ def test_compiled_evaluation_predicts_as_the_eager_model_except_near_ties(norm, 
     compiled model's logits stay within 1e-4 of the eager ones, and a prediction may differ only where
     the eager top two logits are closer than twice that difference (a tie)."""
     model = model_for(norm, **options)
-    train(model, train_split, Split(valid_split.images[:16], valid_split.labels[:16]),
+    train(model, train_split, valid_split.take(slice(0, 16)),
           TrainConfig(num_iterations=150, eval_period=150), RegimeConfig(16, 1), seed=1)
     model.eval()
     compiled = torch.compile(model, dynamic=False)
     with torch.inference_mode():
-        batches = [to_input(valid_split.images[s:s + 256]) for s in range(0, 10_000, 256)]
+        batches = [valid_split.inputs(slice(s, s + 256)) for s in range(0, 10_000, 256)]
         eager_logits = torch.cat([model(x) for x in batches])
         compiled_logits = torch.cat([compiled(x) for x in batches])
     noise = (compiled_logits - eager_logits).abs().max().item()
@@ -162,13 +162,13 @@ def test_batchnorm_breaks_accumulation(model, train_split):
 
 def test_evaluate_is_batch_size_free_and_leaves_batchnorm_alone(train_split, small_valid):
     model = model_for("bn")
-    accumulate(model, train_split, micro_batch_indices(60000, 16, 1), 1)  # move running stats off init
+    accumulate(model, train_split, micro_batches(60000, 16, 1), 1)  # move running stats off init
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
     acc = evaluate(model, small_valid, batch_size=256)
     assert evaluate(model, small_valid, batch_size=7) == acc
     assert model.training
     assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())
-    logits = model.eval()(to_input(small_valid.images))
+    logits = model.eval()(small_valid.inputs(slice(None)))
     assert acc == (logits.argmax(1) == small_valid.labels).sum().item() / 500
 
 
@@ -180,7 +180,7 @@ def test_train_loss_is_the_windowed_mean_of_step_losses(train_split, small_valid
                     RegimeConfig(2, 2), seed=1)
     batches = micro_batch_indices(60000, 2, 1)
     with torch.no_grad():
-        step_losses = [sum(F.cross_entropy(model(to_input(train_split.images[i])), train_split.labels[i]).item()
+        step_losses = [sum(F.cross_entropy(model(train_split.inputs(i)), train_split.labels[i]).item()
                            for i in (next(batches), next(batches))) / 2 for _ in range(5)]
     assert [p.step for p in history] == [2, 4, 5]  # every eval_period, and at the last step
     assert history[0].train_loss == pytest.approx(sum(step_losses[:2]) / 2, rel=1e-6)
