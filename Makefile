@@ -12,6 +12,7 @@ STUDY         ?= spec
 DATA          ?= mnist
 PORT          ?= 5000
 HOST          ?= 127.0.0.1
+STORE         ?= sqlite:///$(CURDIR)/outputs/mlflow.db
 
 .PHONY: setup setup-test data sweep test test-fast docs ui server clean
 
@@ -49,7 +50,8 @@ docs: setup   ## regenerate the config key tables in docs/usage.md from the sche
 	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/usage.md')"
 
 ui:           ## browse every run: prints each experiment's link to its runs table, then starts the MLflow UI
-	$(PYTHON) -m gaexp.ui --store sqlite:///$(CURDIR)/outputs/mlflow.db --host 127.0.0.1 --port $(PORT)
+              ## (STORE=sqlite:///ABSOLUTE/PATH.db: another store; STORE=http://HOST:PORT: a server's own UI)
+	$(PYTHON) -m gaexp.ui --store $(STORE) --host 127.0.0.1 --port $(PORT)
 
 server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines (docs/cluster.md)
 	mkdir -p outputs/server

@@ -1,4 +1,4 @@
-from gaexp.app import main
+from gaexp.app import cli
 
 if __name__ == "__main__":
-    main()
+    cli()

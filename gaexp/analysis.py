@@ -292,6 +292,7 @@ class Summary:
     ranking: pd.DataFrame  # norms on design.ranked_regime, best first, paired differences to each baseline
     dataset: str = ""  # the one dataset of the runs
     model: str = ""  # and their one model
+    window_note: str = ""  # why the table averages other evaluations than design.window_start says, if it does
 
     @property
     def label(self) -> str:
@@ -331,12 +332,15 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     if data.empty:
         raise AnalysisError("no FINISHED runs to summarize")
     check_protocol(data, design.per_cell)
-    window = data[data.step > design.window_start]
-    if window.empty:
-        raise AnalysisError(f"no evaluation after step {design.window_start} (last step {data.step.max()})")
-    columns, reference = list(design.table_columns), design.reference
+    window, window_note = data[data.step > design.window_start], ""
+    if window.empty:  # a short budget: the evaluations there are, said in the table's header
+        window = data
+        window_note = (f"every evaluation (none after step {design.window_start}, the window's start: the last is at "
+                       f"step {data.step.max()}; set --window-start or analysis.window_start to choose)")
+    reference = design.reference
+    columns = [r for r in design.table_columns if r in set(data.regime)]  # what the sweep ran, never more
     norms = _order(data.norm, design.norm_order)
-    regimes = _order([*data.regime, *columns], design.regime_order)  # the table's columns are always expected
+    regimes = _order(data.regime, design.regime_order)
 
     pooled = window.groupby(["norm", "regime"]).valid_acc.mean()
     table = pooled.unstack("regime").reindex(index=norms, columns=columns)
@@ -367,7 +371,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
     return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
-                   data[MODEL].iloc[0])
+                   data[MODEL].iloc[0], window_note)
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -445,8 +449,8 @@ def format_table(summary: Summary) -> str:
         return "–" if pd.isna(x) else f"{100 * x:.2f}"
 
     header = ["norm", *summary.table.columns]
-    lines = [f"{summary.label}: mean valid accuracy (%) over evaluations at step > {summary.design.window_start}, "
-             "pooled over seeds", "",
+    over = summary.window_note or f"evaluations at step > {summary.design.window_start}"
+    lines = [f"{summary.label}: mean valid accuracy (%) over {over}, pooled over seeds", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for norm, row in summary.table.iterrows():
         lines.append("| " + " | ".join([norm, *(pct(v) for v in row)]) + " |")

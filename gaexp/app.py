@@ -6,11 +6,13 @@ import copy
 import dataclasses
 import logging
 import os
+import shlex
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import hydra
 import torch
@@ -24,10 +26,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
-from gaexp import analysis, datasets, norms, tracking, tuning
+from gaexp import analysis, datasets, norms, targets, tracking, tuning
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
-from gaexp.config import CONFIG_DIR, AnalysisConfig, Config, RegimeConfig, require, typed
+from gaexp.config import (CONFIG_DIR, AnalysisConfig, Config, RegimeConfig, composition_problem, hydra_overrides,
+                          require, typed, unknown_choice)
 from gaexp.data import raw_dir
 from gaexp.machine import usable_cores
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
@@ -151,16 +154,15 @@ class ReportCallback(Callback):
             made = analysis.report_each_part(config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id,
                                              design, out)
         except analysis.AnalysisError as e:
-            log.warning("no report for sweep %s: %s (rerun: gaexp-report --sweep %s)", sweep_id, e, sweep_id)
+            log.warning("no report for sweep %s: %s (rerun: %s)", sweep_id, e, report_command(sweep_id, design, config))
             return
         client = MlflowClient(config.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
         for part, label, summary, written in made:
             name = f"report-{sweep_id}" + (f"-{label}" if label else "")
             if isinstance(summary, analysis.AnalysisError):
-                options = " ".join(f"--{k} {v}" for k, v in part.items())
-                log.warning("no report for sweep %s on %s: %s (rerun: gaexp-report --sweep %s %s)",
-                            sweep_id, ", ".join(part.values()), summary, sweep_id, options)
+                log.warning("no report for sweep %s on %s: %s (rerun: %s)", sweep_id, ", ".join(part.values()), summary,
+                            report_command(sweep_id, design, config, part))
                 continue
             tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, **part}
             with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
@@ -169,6 +171,17 @@ class ReportCallback(Callback):
                     client.log_artifact(run_id, str(path))
             log.info("report of sweep %s in %s and MLflow run %s\n%s", sweep_id, written[0].parent, name,
                      analysis.format_table(summary))
+
+
+def report_command(sweep_id: str, design: AnalysisConfig, config: DictConfig, part: dict | None = None) -> str:
+    """The gaexp-report command that rebuilds this sweep's report as the sweep made it: its store, experiment,
+    part and the design keys the command takes where they differ from its default study's."""
+    words = ["gaexp-report", "--tracking-uri", config.mlflow.tracking_uri, "--experiment", config.mlflow.experiment_name,
+             "--sweep", sweep_id, *(w for k, v in (part or {}).items() for w in (f"--{k}", v))]
+    default = analysis.load_study("spec")
+    words += [w for name in ("window_start", "margin") if getattr(design, name) != getattr(default, name)
+              for w in (f"--{name.replace('_', '-')}", f"{getattr(design, name):g}")]
+    return " ".join(shlex.quote(str(w)) for w in words)
 
 
 class StudiesCallback(Callback):
@@ -383,6 +396,20 @@ def main(cfg: DictConfig) -> float:
         log.exception("cell %s failed", hc.job.override_dirname)
         (output_dir / FAILED_MARKER).write_text(f"{type(e).__name__}: {e}")
         return float("nan")
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    """The `gaexp` command (`python -m gaexp` too): the current folder first on the import path as `python -m`
+    has it, so a model.target, norm.target or data.target beside the user imports; an unknown group choice,
+    an unknown key or a value of the wrong type refused in one line before Hydra's own longer message (the
+    first cell composed once more); then `main`."""
+    targets.import_from_cwd()
+    overrides = hydra_overrides(sys.argv[1:] if argv is None else argv)
+    searched = any(o.lstrip("+").startswith("hydra.searchpath") for o in overrides)  # files this cannot see
+    problem = None if searched else unknown_choice(overrides) or composition_problem(overrides)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    main()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from gaexp import targets
 from gaexp.batches import micro_batch_indices
 from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract
-from gaexp.config import CONFIG_DIR, DEVICES, DataConfig, typed
+from gaexp.config import CONFIG_DIR, DEVICES, DataConfig, composition_problem, typed, unknown_choice
 from gaexp.data import DataError, data_config, datasets
 from gaexp.datasets import describe, open_dataset
 from gaexp.model import check_model, make_model
@@ -112,7 +112,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="random", help=(
         f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(datasets())}, its "
         "first b*k training images in the seed's order, as a cell's model sees them (default: %(default)s)"))
-    p.add_argument("--data-root", default="outputs/data", help="where the gaexp datasets are (default: %(default)s)")
+    p.add_argument("--data-root", default=None, help=(
+        "where the gaexp datasets are (default: where the study's commands put them, the config's data.root: "
+        "outputs/data, or PATHS/data with paths.outputs=PATHS among the overrides)"))
     p.add_argument("--device", default="cpu", help=f"{', '.join(DEVICES)} (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the weights' and the data's seed (default: %(default)s)")
     p.add_argument("--rtol", type=float, default=None, help=(
@@ -137,8 +139,11 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
                          "dataset and its options from the config")
     if args.data != "random" and args.data not in datasets():
         raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
+    problem = unknown_choice(overrides) or composition_problem(overrides)
+    if problem:
+        raise CheckError(problem)
     given_regime = any(o.split("=")[0].lstrip("+~").startswith("regime") for o in overrides)
-    overrides = [*overrides, f"data.root={os.path.abspath(args.data_root)}",
+    overrides = [*overrides, *([f"data.root={os.path.abspath(args.data_root)}"] if args.data_root else []),
                  *([f"data={args.data}"] if args.data != "random" else [])]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         regime = compose("config", overrides=list(overrides)).regime if given_regime else None
@@ -165,7 +170,7 @@ def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
     if args.data not in datasets():
         raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
     given = {k.removeprefix("data."): v for k, v in (item.split("=", 1) for item in keys)}
-    return data_config(args.data, args.data_root, **{k: yaml.safe_load(v) for k, v in given.items()})
+    return data_config(args.data, args.data_root or "outputs/data", **{k: yaml.safe_load(v) for k, v in given.items()})
 
 
 def from_import_path(target: str, args: argparse.Namespace, keys: Sequence[str] = ()) -> Subject:
@@ -266,7 +271,7 @@ def _finite(obj: Any) -> Any:
 def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
     """(exit status, what to print)."""
     try:
-        args = parser().parse_args(argv)
+        args = parser().parse_intermixed_args(argv)
     except UsageError as e:
         return BAD_INPUT, f"gaexp-check: error: {e}"
     try:
@@ -318,8 +323,7 @@ def render_nonfinite(e: NonFiniteError, subject: Subject, args: argparse.Namespa
 def main(argv: Sequence[str] | None = None) -> None:
     """The console script: the current folder first on the import path, as `python -m gaexp.check_cli` has it,
     so `gaexp-check mynets:build` and `--loss mynets:loss` find a mynets.py beside the user."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    targets.import_from_cwd()
     status, text = run(argv)
     print(text, file=sys.stderr if status == BAD_INPUT else sys.stdout)
     sys.exit(status)

@@ -111,9 +111,10 @@ def _read_torchvision(data: DataConfig, download: bool = False) -> Arrays:
     for train in (True, False):
         try:
             ds = cls(str(folder), download=download, **spec.split(train))
-        except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
-            raise DataError(f"data={data.dataset}: no {data.torchvision} files in {folder} ({e}); fetch them with "
-                            f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`") from None
+        except RuntimeError:  # torchvision's "Dataset not found or corrupted. You can use download=True"
+            raise DataError(f"data={data.dataset}: no {data.torchvision} files in {folder} (or not the ones its MD5s "
+                            f"say); fetch them with `python -m gaexp.data --dataset {data.dataset} --root {data.root}`"
+                            ) from None
         images = torch.from_numpy(np.ascontiguousarray(ds.data))
         images = images.permute(0, 3, 1, 2).contiguous() if spec.channels_last else images
         parts += [images, torch.as_tensor(np.asarray(getattr(ds, spec.labels)), dtype=torch.long)]
@@ -151,8 +152,8 @@ def _read_idx(data: DataConfig) -> Arrays:
     root = str(Path(data.root).expanduser().resolve())
     try:
         train, test = cls(root, train=True, download=False), cls(root, train=False, download=False)
-    except RuntimeError as e:
-        raise DataError(f"data={data.dataset}: not found under {data.root} ({e}); fetch it with "
+    except RuntimeError:  # torchvision's "Dataset not found. You can use download=True": gaexp fetches instead
+        raise DataError(f"data={data.dataset}: not found under {data.root}; fetch it with "
                         f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`") from None
     return Arrays(train.data.unsqueeze(1), train.targets, test.data.unsqueeze(1), test.targets,
                   tuple(cls.classes), raw_dir(data).as_uri())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any, Callable, Sequence
 
 
@@ -44,3 +46,11 @@ def load(target: str, key: str, keywords: Sequence[str] = (), positional: int | 
             raise TargetError(f"{key}={target!r}: {attr}{signature} must be callable with no arguments ({e})") from None
         raise TargetError(f"{key}={target!r}: {attr}{signature} must take {wanted}") from None
     return made
+
+
+def import_from_cwd() -> None:
+    """What `python -m` gives and a console script does not: the current folder first on the import path, so
+    `gaexp model=custom model.target=mynets:build` and `gaexp-check mynets:build` find a mynets.py beside the
+    user (joblib's workers inherit the path)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())

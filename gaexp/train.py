@@ -32,10 +32,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class _NoCudaHome(logging.Filter):
+    """Drops torch's `No CUDA runtime is found, using CUDA_HOME=...`, which every compiled cell on a CPU
+    machine with a CUDA toolkit printed: true and of no use to a CPU run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def quiet_cuda_home() -> None:
+    """Install `_NoCudaHome` on torch's extension logger once (before Inductor first imports it)."""
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _NoCudaHome) for f in cpp_log.filters):
+        cpp_log.addFilter(_NoCudaHome())
+
+
 def compiler_missing(device: torch.device) -> str | None:
     """Why Inductor cannot compile here (it needs a C++ compiler for the CPU), or None."""
     if device.type != "cpu":
         return None
+    if not torch.cuda.is_available():
+        quiet_cuda_home()
     from torch._inductor.cpp_builder import get_cpp_compiler
     try:
         get_cpp_compiler()

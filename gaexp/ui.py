@@ -1,11 +1,12 @@
-"""`make ui`: the MLflow UI on a local store, opened on the runs table.
+"""`make ui [STORE=...]`: the MLflow UI on a store, opened on the runs table.
 
 MLflow 3's UI opens an experiment on its GenAI overview (traces) unless the
 experiment page's URL says `?workflowType=machine_learning`; the sidebar's
 links keep the parameter. `python -m gaexp.ui` tags every experiment of the
 store as model training (`tracking.EXPERIMENT_KIND`, stores made before the
 tag included), prints one link per experiment that opens its runs table,
-then becomes `mlflow ui` on the same store, host and port.
+then becomes `mlflow ui` on the same store, host and port; a tracking server's store (http://HOST:PORT)
+serves its own UI, so for one the links are printed at its address and nothing is started.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from gaexp import tracking
 
 WORKFLOW = "machine_learning"  # the UI's value for model training: runs, models, metrics
-STORE_FORM = "sqlite:///ABSOLUTE/PATH.db"
+STORE_FORM = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
 
 
 def base_url(host: str, port: int) -> str:
@@ -45,8 +46,7 @@ def parse_port(text: str) -> int:
 def store_path(uri: str) -> Path:
     """The database file of a local store; a clear error for any other URI and for a missing file."""
     if not uri.startswith("sqlite:///") or not Path(uri.removeprefix("sqlite:///")).is_absolute():
-        server = " (a tracking server serves its own UI: open that address)" if tracking.is_remote(uri) else ""
-        raise ValueError(f"--store={uri}; valid: {STORE_FORM}{server}")
+        raise ValueError(f"--store={uri}; valid: {STORE_FORM}")
     path = Path(uri.removeprefix("sqlite:///"))
     if not path.is_file():
         raise ValueError(f"no MLflow store at {path}; run `make sweep` first (or give --store {STORE_FORM})")
@@ -79,6 +79,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the UI listens on (default: %(default)s)")
     parser.add_argument("--port", default="5000", help="port the UI listens on (default: %(default)s)")
     args = parser.parse_args(argv)
+    if tracking.is_remote(args.store):  # a tracking server serves its own UI: the links, nothing started
+        try:
+            tracking.check_server(args.store)
+            experiments = tag_experiments(args.store)
+        except (ValueError, OSError) as e:
+            sys.exit(f"error: {e}")
+        for experiment_id, name, runs in experiments:
+            print(f"{name}: {runs} runs  {runs_link(args.store, experiment_id)}")
+        print(f"{args.store} serves its own UI" + ("" if experiments else "; no runs there yet"))
+        return
     try:
         port = parse_port(args.port)
         store_path(args.store)

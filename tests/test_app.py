@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ import pytest
 import torch
 import optuna
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
-from gaexp import app, batches, data, progress
+from gaexp import analysis, app, batches, data, progress
 from gaexp import train as train_module
 from gaexp.app import prepare, run_cell, threads_for
 from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
@@ -394,7 +396,8 @@ def test_report_cli_on_the_real_sweep(sweep, tmp_path):
     assert "runs: 4 finished, 0 excluded" in proc.stdout
     gn4 = next(line for line in proc.stdout.splitlines() if line.startswith("| gn4 | "))
     history = [m.value for m in client.get_metric_history(runs["gn4-bs16a1-s1"].info.run_id, "valid_acc")]
-    assert gn4.count("|") == 5 and gn4.split("|")[2].strip() == f"{100 * sum(history) / len(history):.2f}"
+    assert gn4.count("|") == 4 and gn4.split("|")[2].strip() == f"{100 * sum(history) / len(history):.2f}"
+    assert "bs4a4" not in proc.stdout.split("Memory and speed")[0]  # two regimes the sweep ran, not the study's third
     assert (tmp_path / "table.csv").is_file()
     bad = subprocess.run([*cli, "--sweep", "nope"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: no sweep 'nope'")
@@ -426,3 +429,41 @@ def test_deterministic_cuda_turns_on_deterministic_kernels_and_keeps_a_users_wor
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark = before[2]
+
+
+MYNETS = """
+import torch
+
+def build(norm_layer, in_channels, num_classes):
+    return torch.nn.Sequential(torch.nn.Conv2d(in_channels, 8, 3), norm_layer(8), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes))
+"""
+
+
+def test_the_gaexp_console_script_imports_a_model_from_the_folder_it_runs_in(tmp_path, data_root, training_runs):
+    """The README's line `gaexp model=custom model.target=mynets:build ...` with mynets.py in the current folder,
+    as the console script (not `python -m gaexp`), its cell in a joblib worker."""
+    (tmp_path / "mynets.py").write_text(MYNETS)
+    script = Path(sys.executable).parent / "gaexp"
+    done = subprocess.run([str(script), "-m", *TINY, "train.num_iterations=2", "model=custom",
+                           "model.target=mynets:build", "model.name=mynet", "norm=gn4", "regime=bs4a4",
+                           "launch=joblib", "hydra.launcher.n_jobs=1", f"paths.outputs={tmp_path / 'out'}",
+                           f"data.root={data_root}", "data.sources=[local]"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, runs = training_runs(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    assert list(runs) == ["mynet-gn4-bs4a4-s1"] and runs["mynet-gn4-bs4a4-s1"].info.status == "FINISHED"
+
+
+def test_the_report_command_a_sweep_prints_runs_as_printed(tmp_path, compose, capsys, monkeypatch):
+    """The `rerun:` hint of a sweep whose report failed: its store, experiment, part and design, runnable."""
+    cfg = prepared(compose(*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=2", outputs=tmp_path / "store"))
+    run_cell(cfg, sweep_id="s1")
+    design = OmegaConf.to_object(cfg.analysis)  # TINY: analysis.window_start=0
+    command = app.report_command("s1", design, cfg, {"dataset": "mnist"})
+    assert command == (f"gaexp-report --tracking-uri {cfg.mlflow.tracking_uri} --experiment gaexp --sweep s1 "
+                       "--dataset mnist --window-start 0")
+    monkeypatch.chdir(tmp_path)
+    analysis.main(shlex.split(command)[1:])
+    out = capsys.readouterr().out
+    assert "over evaluations at step > 0" in out and "| gn4 | bs4a4 |" in out

@@ -20,7 +20,7 @@ from torchvision.models import resnet18
 from conftest import REPO
 
 from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError, check_accumulation
-from gaexp.check_cli import _finite, run
+from gaexp.check_cli import BAD_INPUT, SAFE, _finite, run
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import norm2d
 from gaexp.zoo import truth
@@ -581,3 +581,14 @@ def test_the_console_script_imports_a_loss_from_the_folder_it_runs_in(tmp_path):
                            "mynets:nan_loss"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 3 and done.stdout.splitlines()[1].startswith("NON-FINITE: the loss is nan"), done.stderr
+
+
+def test_the_data_is_found_where_the_studys_commands_put_it(data_root, monkeypatch, tmp_path):
+    """No --data-root: a gaexp model's dataset is the config's data.root, ${paths.outputs}/data, as for `gaexp`."""
+    if data_root.name != "data":
+        pytest.skip(f"the test data root {data_root} is not a paths.outputs/data")
+    monkeypatch.chdir(tmp_path)
+    status, text = run(["model=simple", "norm=gn4", "--data", "mnist", f"paths.outputs={data_root.parent}"])
+    assert status == SAFE and "mnist's first 8 training images" in text
+    status, text = run(["model=simple", "norm=gn4", "--data", "mnist"])  # outputs/data of this empty folder
+    assert status == BAD_INPUT and f"not found under {tmp_path}/outputs/data" in text

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from gaexp import tracking
 from gaexp.config import (OBJECTIVE_KEYS, PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
-                          runtime_keys, typed)
+                          composition_problem, hydra_overrides, runtime_keys, typed, unknown_choice)
 from gaexp.configdocs import markdown_table
 from gaexp.machine import cgroup_cpus, usable_cores
 from gaexp.model import SimpleModel
@@ -273,12 +273,22 @@ LAYERS = ["machine", "config", "configdocs", "targets", "data", "imagefolder", "
           "bench", "check_cli", "zoo", "app", "__main__"]
 
 
+def _without_main_block(tree: ast.Module) -> ast.Module:
+    """The module without its `if __name__ == "__main__":` block: an entry point, not a dependency (`python -m
+    gaexp.data` starts the command of the datasets of every kind, which sits above the IDX files' module)."""
+    def is_main(node: ast.stmt) -> bool:
+        return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+    tree.body = [node for node in tree.body if not is_main(node)]
+    return tree
+
+
 def test_imports_point_down():
     """Each module imports only gaexp modules below it (machine at the bottom, the app at the top)."""
     package = REPO / "gaexp"
     assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
     for module in LAYERS:
-        tree = ast.parse((package / f"{module}.py").read_text())
+        tree = _without_main_block(ast.parse((package / f"{module}.py").read_text()))
         imported = {alias.name.split(".")[1] for n in ast.walk(tree) if isinstance(n, ast.Import)
                     for alias in n.names if alias.name.startswith("gaexp.")}
         imported |= {n.module.split(".")[1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
@@ -317,3 +327,55 @@ def test_cgroup_quota_is_read_from_v2_or_v1_files(files, cpus, tmp_path):
 def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm_cpus, usable, machine):
     machine(cpus, quota, slurm_cpus)
     assert usable_cores() == usable
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["norm=gn5"], "norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, gn, gn16, gn4, in, "
+                   "in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5"),
+    (["-m", "norm=bn,gn4", "regime=bs1a16,bs2a8"], "regime=bs2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, bs4a4; "
+                                                  "for micro-batch 2 with 8 accumulation steps: regime.batch_size=2 "
+                                                  "regime.num_accum=8"),
+    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, spec, spec_cifar10, spec_resnet20, "
+                           "tune_lr"),
+    (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, imagefolder, mnist, svhn"),
+    (["norm=gn", "norm.groups=5", "regime.batch_size=2", "regime.num_accum=8", "train.lr=0.1", "data.path=/x",
+      "+data.params.n=3", "hydra.launcher.n_jobs=2", "launch=joblib", "model=custom", "model.target=a:b"], None),
+    (["hydra.searchpath=[file:///my/conf]", "norm=my_norm"], None),  # files this cannot see
+])
+def test_an_unknown_choice_or_key_is_one_line_with_what_it_means(overrides, message):
+    assert unknown_choice(overrides) == message
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.lrr=0.1"], "train.lrr: no key 'lrr' in train; valid: num_iterations, eval_period, lr, loss_window, "
+                        "eval_batch_size (did you mean train.lr?)"),
+    (["-m", "norm=bn,gn", "norm.groups=4"], "norm.groups: no key 'groups' in norm=bn; valid: name"),
+    (["norm=gn", "norm.groupz=4"], "norm.groupz: no key 'groupz' in norm=gn; valid: name, groups (did you mean "
+                                   "norm.groups?)"),
+    (["hydra.sweeper.grid.norm=bn"], "hydra.sweeper.grid.norm: no key 'grid' in hydra.sweeper; valid: max_batch_size, "
+                                     "params, order, progress, poll_s"),
+    (["data.params.n=3"], "data.params.n: a new key of a dict; add it with +data.params.n=..."),
+    (["regime.batch_size=abc"], "Error merging override regime.batch_size=abc: Value 'abc' of type 'str' could not be "
+                                "converted to Integer"),
+    (["-m", "hydra/sweeper=gaexp_optuna", "+hydra.sweeper.grid.norm='bn,gn4'", "train.lr=tag(log, interval(1e-4, 1e-2))",
+      "norm=bn,gn4", "seed=1,2"], None),
+])
+def test_a_key_hydra_would_refuse_in_many_lines_is_one(overrides, message):
+    assert composition_problem(hydra_overrides(overrides)) == message
+
+
+def test_the_command_refuses_an_unknown_choice_in_one_line_before_hydra_starts(monkeypatch):
+    """`gaexp norm=gn5` (and `python -m gaexp`, the same function): one line, Hydra's main never reached."""
+    from gaexp import app
+
+    monkeypatch.setattr(app, "main", lambda: pytest.fail("Hydra started on an unknown choice"))
+    with pytest.raises(SystemExit) as stop:
+        app.cli(["-m", "norm=gn5", "seed=1,2"])
+    assert str(stop.value) == ("error: norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, gn, "
+                               "gn16, gn4, in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5")
+    with pytest.raises(SystemExit, match=r"^error: train.lrr: no key 'lrr' in train; valid: "):
+        app.cli(["train.lrr=0.1"])
+    ran = []
+    monkeypatch.setattr(app, "main", lambda: ran.append(True))
+    app.cli(["-m", "norm=gn", "norm.groups=5", "seed=1,2"])
+    assert ran == [True]

@@ -151,6 +151,21 @@ def test_compile_auto_picks_the_phases_per_norm_and_runs_eager_without_a_compile
         compile_phases("all", "in", cpu)
 
 
+def test_a_cpu_compile_silences_torchs_no_cuda_runtime_warning_and_nothing_else(monkeypatch, caplog):
+    """What every compiled CPU cell printed where a CUDA toolkit is installed (torch.utils.cpp_extension, on
+    its first import by Inductor): gone once gaexp checks for a compiler; the logger's other warnings stay."""
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    monkeypatch.setattr(cpp_log, "filters", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    train_module.compiler_missing(torch.device("cpu"))
+    train_module.compiler_missing(torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="torch.utils.cpp_extension"):
+        cpp_log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+        cpp_log.warning("Error checking compiler version for c++")
+    assert "No CUDA runtime" not in caplog.text and "Error checking compiler version" in caplog.text
+    assert len(cpp_log.filters) == 1  # installed once
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_batchnorm_breaks_accumulation(model, train_split):
     _, reference = one_step_gradients("bn", 16, 1, train_split, model=model)

@@ -15,6 +15,8 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import tracking, ui
 
+REPO = Path(__file__).resolve().parent.parent
+
 RUN_NAMES = ("bn-bs1a16-s1", "gn4-bs16a1-s2")
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 
@@ -67,7 +69,7 @@ def test_cli_prints_each_link_then_becomes_mlflow_ui(tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("args, message", [
     (["--port", "http"], "error: --port=http; valid: an integer in [1, 65535]"),
     (["--port", "70000"], "error: --port=70000; valid: an integer in [1, 65535]"),
-    (["--store", "http://h:5000"], "error: --store=http://h:5000; valid: sqlite:///ABSOLUTE/PATH.db (a tracking server serves its own UI"),
+    (["--store", "http://127.0.0.1:9"], "error: MLflow tracking server http://127.0.0.1:9 unreachable: "),
     (["--store", "sqlite:///rel/mlflow.db"], "error: --store=sqlite:///rel/mlflow.db; valid: sqlite:///ABSOLUTE/PATH.db"),
     (["--store", "postgresql://h/db"], "error: --store=postgresql://h/db; valid: sqlite:///ABSOLUTE/PATH.db"),
 ])
@@ -76,6 +78,23 @@ def test_bad_input_is_one_line_naming_the_value(args, message, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         ui.main(args)
     assert str(stop.value).startswith(message) and "\n" not in str(stop.value)
+
+
+def test_a_servers_store_gets_the_links_at_the_servers_address_and_nothing_started(monkeypatch, capsys):
+    """`make ui STORE=http://HOST:PORT`: the server is the UI; its experiments are tagged and linked there."""
+    monkeypatch.setattr(ui.os, "execv", lambda *a: pytest.fail("a second UI started for a server"))
+    monkeypatch.setattr(ui.tracking, "check_server", lambda uri: None)
+    monkeypatch.setattr(ui, "tag_experiments", lambda uri: [("7", "gaexp", 12)] if uri == "http://lab:5000" else [])
+    ui.main(["--store", "http://lab:5000"])
+    assert capsys.readouterr().out == ("gaexp: 12 runs  http://lab:5000/#/experiments/7?workflowType=machine_learning\n"
+                                       "http://lab:5000 serves its own UI\n")
+
+
+def test_make_ui_takes_the_store_to_show():
+    dry = subprocess.run(["make", "-n", "ui", "STORE=sqlite:////srv/team/mlflow.db", "PORT=5001"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "-m gaexp.ui --store sqlite:////srv/team/mlflow.db --host 127.0.0.1 --port 5001" \
+        in dry.stdout
 
 
 def test_a_missing_store_says_to_run_a_sweep_first(tmp_path, monkeypatch):
