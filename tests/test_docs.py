@@ -1,0 +1,226 @@
+"""The documents are tested: every gaexp command in README.md and docs/*.md works as written.
+
+Commands are collected from fenced `bash` blocks (continuation lines joined, comments dropped), from `$ `
+lines of transcript blocks, and from inline code that starts with a gaexp command, so a command added to
+the docs is picked up without editing this file. A Hydra command composes with exactly the overrides
+shown (every key and choice exists, no `+` missing, every value of a swept axis) and types (ranges
+checked); the other commands parse their arguments with their own parser; a `make` target and its
+variables exist. A command that cannot run on a development machine says so in its own comment,
+`(needs: slurm)`, `(needs: gpu)`, `(needs: server)` or `(needs: internet)`, and still composes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hydra.core.hydra_config import HydraConfig
+
+from gaexp import analysis, bench, check_cli, compare, datasets, progress, tuning, ui, zoo
+from gaexp.app import job_config
+from gaexp.config import composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
+
+REPO = Path(__file__).resolve().parent.parent
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-tuned": tuning.main,
+           "gaexp.data": datasets.main, "gaexp.bench": bench.main, "gaexp.zoo": zoo.main, "gaexp.compare": compare.main,
+           "gaexp.ui": ui.main}
+NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet)\)")
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str  # file:line
+    text: str  # as written
+    argv: tuple[str, ...]  # the words, comment dropped
+    comment: str
+    refused: str = ""  # a transcript's `error: ...` line after the command: it must print exactly that
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.text}"
+
+
+def _command(where: str, text: str) -> Command | None:
+    """The command on this line if it is one of gaexp's (after any VAR=value prefix), else None."""
+    try:
+        argv = shlex.split(text, comments=True)
+    except ValueError:
+        return None
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):  # CI=true make test
+        argv = argv[1:]
+    if not argv:
+        return None
+    head = argv[0]
+    if Path(head).name in ("python", "python3") and argv[1:2] == ["-m"] and argv[2:3] and argv[2].startswith("gaexp"):
+        argv = [argv[2], *argv[3:]]
+    elif not (head in ("gaexp", "make") or head.startswith("gaexp-")):
+        return None
+    return Command(where, text, tuple(argv), _comment(text))
+
+
+def _comment(text: str) -> str:
+    """What follows the first `#` outside quotes that starts a word, as the shell reads a comment."""
+    quote = None
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or text[i - 1].isspace()):
+            return text[i:]
+    return ""
+
+
+PLACEHOLDER = re.compile(r"(^|=)[A-Z][A-Z0-9_]*$|<|\\.\\.\\.")  # NAME, +experiment=NAME, <sweep>, ...
+
+
+def _runnable_inline(command: Command) -> bool:
+    """Inline code in prose is a command when it has arguments and no placeholder; `gaexp-report --window-start`
+    names a flag, `python -m gaexp.bench --model NAME` a form: those are mentions."""
+    args = command.argv[1:]
+    return bool(args) and not args[-1].startswith("--") and not any(PLACEHOLDER.search(a) for a in args)
+
+
+def documented_commands() -> list[Command]:
+    found = []
+    for doc in DOCUMENTS:
+        text = doc.read_text()
+        name = doc.relative_to(REPO)
+        for block in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            lang, body = block.groups()
+            first = text.count("\n", 0, block.start(2)) + 1
+            lines = body.split("\n")
+            i = 0
+            while i < len(lines):
+                start, line = i, lines[i]
+                while line.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    line = line[:-1] + " " + lines[i].strip()
+                i += 1
+                stripped = line.strip()
+                if lang in ("bash", "sh") and stripped and not stripped.startswith("#"):
+                    command = _command(f"{name}:{first + start}", stripped)
+                elif stripped.startswith("$ "):
+                    command = _command(f"{name}:{first + start}", stripped[2:])
+                    after = lines[i].strip() if i < len(lines) else ""
+                    if command is not None and re.match(r"(gaexp-check: )?error: ", after):
+                        command = Command(command.where, command.text, command.argv, command.comment, after)
+                else:
+                    command = None
+                if command is not None:
+                    found.append(command)
+        outside = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+        for span in re.finditer(r"`([^`\n]+)`", outside):
+            words = span.group(1).split()
+            if words and (words[0] in ("gaexp",) or words[0].startswith("gaexp-")
+                          or words[:3] in (["python", "-m", "gaexp"],) or words[:2] == ["python", "-m"]
+                          and words[2:3] and words[2].startswith("gaexp")) and len(words) > 1:
+                command = _command(f"{name}:{outside.count(chr(10), 0, span.start()) + 1}", span.group(1))
+                if command is not None and _runnable_inline(command):
+                    found.append(command)
+    return found
+
+
+COMMANDS = documented_commands()
+
+
+def check_hydra(overrides: list[str]) -> None:
+    """Every choice of a group a multirun of these overrides composes (gaexp.config.sweep_cases), typed; the
+    other axes at their first value."""
+    for case in sweep_cases(overrides, groups_only=True):
+        composes_and_types(tuple(case))
+
+
+@functools.lru_cache(maxsize=None)
+def composes_and_types(case: tuple[str, ...]) -> None:
+    """Once per distinct list of overrides (the documents repeat many): raises what composing or typing does."""
+    cfg = compose_config(case)
+    HydraConfig.instance().set_config(cfg)
+    typed(job_config(cfg))
+
+
+class _Parsed(Exception):
+    """Raised by argparse once a command's arguments parsed: the command itself never runs."""
+
+
+def check_parses(main, argv: list[str], monkeypatch) -> argparse.Namespace:
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        raise _Parsed(real(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    with pytest.raises(_Parsed) as parsed:
+        main(argv)
+    return parsed.value.args[0]
+
+
+def make_targets() -> tuple[set[str], set[str]]:
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, re.M))
+    variables = set(re.findall(r"^([A-Z_]+)\s*\?=", makefile, re.M))
+    return targets, variables
+
+
+def test_the_documents_hold_commands_of_every_family():
+    families = {c.argv[0] for c in COMMANDS}
+    assert {"gaexp", "gaexp-report", "gaexp-status", "gaexp-tuned", "gaexp-check", "gaexp.data", "make"} <= families
+    assert len(COMMANDS) > 100
+    assert any(NEEDS.search(c.comment) for c in COMMANDS)  # the cluster commands say what they need
+
+
+def refusal(argv: tuple[str, ...]) -> str:
+    """The one line `gaexp` ends with on this bad input (its checks before Hydra's, then the typed config's)."""
+    overrides = hydra_overrides(argv[1:])
+    problem = unknown_choice(overrides) or composition_problem(overrides)
+    if problem:
+        return f"error: {problem}"
+    try:
+        check_hydra(overrides)
+    except ValueError as e:
+        return f"error: {e}"
+    return "(accepted)"
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=str)
+def test_a_documented_command_works_as_written(command, monkeypatch, tmp_path):
+    head, args = command.argv[0], list(command.argv[1:])
+    monkeypatch.chdir(tmp_path)  # nothing read from, or written into, the checkout
+    if command.refused:
+        printed = refusal(command.argv) if head == "gaexp" else check_cli.run(args)[1]
+        assert printed == command.refused
+    elif head == "gaexp":
+        check_hydra(hydra_overrides(command.argv[1:]))
+    elif head in ("gaexp-check", "gaexp.check_cli"):
+        parsed = check_cli.parser().parse_intermixed_args(args)
+        if "=" in parsed.target[0]:
+            check_hydra([t for t in parsed.target])
+    elif head == "make":
+        targets, variables = make_targets()
+        for word in args:
+            name, sep, _ = word.partition("=")
+            assert (name in variables) if sep else (name in targets), f"{word}: not a target or variable of the Makefile"
+    else:
+        assert head in PARSERS, f"{head}: a command the docs test does not know"
+        parsed = check_parses(PARSERS[head], args, monkeypatch)
+        if head == "gaexp-tuned" and parsed.overrides:
+            check_hydra(parsed.overrides)
+
+
+def test_the_usage_contents_list_every_section():
+    """docs/usage.md's contents: every ## and ### heading outside code, in order, with the anchor GitHub makes."""
+    text = (REPO / "docs" / "usage.md").read_text()
+    outside = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    headings = re.findall(r"^(##|###) (.+)$", outside, re.M)
+
+    def anchor(title: str) -> str:
+        return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+    expected = [("  " if level == "###" else "") + f"- [{title}](#{anchor(title)})" for level, title in headings]
+    listed = re.findall(r"^ *- \[.+\]\(#.+\)$", text.split("\n## ", 1)[0], re.M)
+    assert listed == expected
