@@ -237,16 +237,15 @@ def cache_dir(data: DataConfig) -> Path:
 
 # --- the interface -------------------------------------------------------------------------------------
 
-def fetch(data: DataConfig, progress: Optional[bool] = None) -> None:
+def fetch(data: DataConfig) -> None:
     """Make the dataset's files ready, once per command, before any cell: idx files built from their sources and
-    verified, a torchvision class's download, a folder decoded into its cache. Errors are one line."""
+    verified, a torchvision class's download (a folder is decoded into its cache by its first `open_dataset`).
+    Errors are one line."""
     if data.kind == "idx":
         ensure_data(data)
         check_num_train(data)
     elif data.kind == "torchvision":
         _fetch_torchvision(data)
-    elif data.kind == "folder":
-        _read_folder(data, progress)
 
 
 def describe(data: DataConfig) -> tuple[tuple[int, int, int], int]:
@@ -362,8 +361,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise DataError(f"{item!r}; valid: data.KEY=VALUE, e.g. data.path=/data/pets")
             keys[name.removeprefix("data.")] = yaml.safe_load(value)
         data = data_config(args.dataset, args.root, args.sources.split(",") if args.sources else None, **keys)
-        fetch(data, progress=True)
-        d = open_dataset(data)
+        fetch(data)
+        d = open_dataset(data, progress=True)
     except (DataError, ValueError) as e:
         sys.exit(f"error: {e}")
     test = f" + {len(d.test):,} test" if d.test is not None else ""
