@@ -81,7 +81,7 @@ def prepare(cfg: DictConfig) -> str:
         tuning.check_objective(c.train.num_iterations, c.analysis)
         tuning.check_direction(cfg.hydra.sweeper.direction)
     tracking.check_server(c.mlflow.tracking_uri)
-    datasets.fetch(c.data)  # files, a download, a folder's cache: ready before any job
+    datasets.fetch(c.data)  # files and their MD5s, a download: ready before any job
     datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is recorded
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
