@@ -5,45 +5,74 @@ gaexp sweeper runs around its launches) and any other shell (`gaexp-status`) see
 records its plan as a run `sweep-<id>` (tags `gaexp.cells`, `gaexp.expected_s`, `gaexp.cells_at_once`).
 
 Cells differ by 5x in work, so progress counts work, not cells: each cell's expected seconds on one core
-(`expected_seconds`, a model of the grid measured in docs/results.md), scaled by how fast this sweep's
-finished cells actually went against that model.
+(`expected_seconds`, a model of the grid measured in docs/results.md: training, evaluation and a cell's
+fixed cost), plus a compilation for each graph the sweep compiles first (`graph_keys`: Inductor's
+disk cache makes later cells' graphs cheap). The cells that finished correct both, each at its own scale
+(`fit_rates`), so a sweep of 20-step cells, which is mostly compilation, gets the right ETA as a 3,600-step
+one does.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TextIO
+from typing import Callable, Iterable, Mapping, Sequence, TextIO
 
+import numpy as np
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tqdm import tqdm
 
-from gaexp.tracking import HEARTBEAT, SWEEPS, sweeps_of
+from gaexp.tracking import HEARTBEAT, HOST, SWEEPS, sweeps_of
+from hydra_plugins.gaexp_optuna_sweeper import _progress as trials
+from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
+from hydra_plugins.gaexp_optuna_sweeper._progress import duration
 
-# One core of the 2-core machine, compile=auto (the 60-cell grid, docs/results.md): a micro-batch of b
-# trains forward and backward in MICRO_S * b**BATCH_EXPONENT s, Adam's step takes STEP_S, evaluation EVAL_IMAGE_S
-# per image. Only ratios matter: the ETA rescales them by the cells that finished.
+# One core of the 2-core machine, compile=auto (the 60-cell grid and the ETA's figures, docs/results.md):
+# a micro-batch of b trains forward and backward in MICRO_S * b**BATCH_EXPONENT s, Adam's step takes STEP_S,
+# evaluation EVAL_IMAGE_S per image; a cell's run costs CELL_S more (its records, its model saved) and
+# GAP_S passes between one cell's end and the next one's start on the same worker (its config, data and
+# model made). An evaluation graph compiled with no cache costs GRAPH_S, a training graph (forward and
+# backward) TRAIN_GRAPH graphs' worth. The cells that finished rescale these.
 MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S = 2.6e-3, 0.7, 1.8e-3, 2.5e-4
+CELL_S, GAP_S, GRAPH_S, TRAIN_GRAPH = 1.0, 1.0, 9.0, 1.5
 VALID_IMAGES = 10_000  # the test set; data.holdout=N evaluates N held-out images instead
 log = logging.getLogger(__name__)
 ROLE = "sweep"  # gaexp.role of the run that records a sweep's plan
+COSTS = "gaexp.costs"  # a plan run's tag: "expected:graphs" of each cell in launch order (left out past MAX_COSTS)
+MAX_COSTS = 8000  # characters: MLflow's limit on a tag's value
 DONE = ("FINISHED", "FAILED", "KILLED")
 
 
 def expected_seconds(batch_size: int, num_accum: int, num_iterations: int, eval_period: int,
                      valid_images: int = VALID_IMAGES, model_cost: float = 1.0) -> float:
-    """A cell's expected seconds on one core of the reference machine; `model_cost` (model.cost) scales
-    the simple CNN's times to another model's."""
+    """A cell's expected seconds on one core of the reference machine, compilation of new graphs left out;
+    `model_cost` (model.cost) scales the simple CNN's times to another model's."""
     evaluations = num_iterations // eval_period + (num_iterations % eval_period > 0)
     step = num_accum * MICRO_S * batch_size ** BATCH_EXPONENT + STEP_S
-    return model_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
+    return CELL_S + model_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
+
+
+def graph_keys(phases: Iterable[str], model: str, dataset: str, norm: str, batch_size: int,
+               accumulate: str) -> frozenset[tuple[str, ...]]:
+    """The graphs a cell compiles (`phases`: "train", "eval"): evaluation's depend on the model, data
+    and norm, training's on the batch size and the engine too. Cells that share one share Inductor's cache."""
+    keys = {("eval", model, dataset, norm)} if "eval" in phases else set()
+    if "train" in phases:
+        keys.add(("train", model, dataset, norm, str(batch_size), accumulate))
+    return frozenset(keys)
+
+
+def graph_units(keys: Iterable[tuple[str, ...]]) -> float:
+    """Compilations in evaluation graphs' worth."""
+    return sum(TRAIN_GRAPH if key[0] == "train" else 1.0 for key in keys)
 
 
 def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
@@ -51,6 +80,13 @@ def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     return expected_seconds(int(tags["batch_size"]), int(tags["num_accum"]), int(params["train.num_iterations"]),
                             int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
                             float(params.get("model.cost", 1.0)))
+
+
+def run_graphs(tags: Mapping[str, str]) -> frozenset[tuple[str, ...]]:
+    """`graph_keys` of a cell's run, from its tags (`compiled`: what it compiled)."""
+    phases = [] if tags.get("compiled", "off") == "off" else tags["compiled"].split(",")
+    return graph_keys(phases, tags.get("model", ""), tags.get("dataset", ""), tags.get("norm", ""),
+                      int(tags.get("batch_size", 0)), tags.get("accumulate", "loop"))
 
 
 @dataclass(frozen=True)
@@ -65,15 +101,23 @@ class Cell:
     steps: int = 0
     valid_acc: float | None = None
     heartbeat_age_s: float | None = None
+    new_graphs: float = 0.0  # graph_units of the graphs it was the sweep's first to compile (by start time)
+    fresh: int = 0  # 1: the first cell of the sweep its worker process ran
+
+    @property
+    def work_s(self) -> float:
+        return self.expected_s + self.new_graphs * GRAPH_S
 
 
 @dataclass(frozen=True)
 class Plan:
     cells: int | None  # None: not recorded (a sweep run by another sweeper, or a single run)
-    expected_s: float | None
+    expected_s: float | None  # the cells' expected_seconds and GRAPH_S for each graph
     cells_at_once: int | None
     started: float | None = None  # epoch seconds
     ended: float | None = None  # the plan run's end: every launch returned (or the launching process stopped)
+    graphs: float = 0.0  # graph_units of the distinct graphs its cells compile
+    costs: tuple[tuple[float, float], ...] | None = None  # each cell's (expected_seconds, new graph units), launch order
 
 
 @dataclass(frozen=True)
@@ -84,41 +128,99 @@ class Snapshot:
     total_s: float | None
     elapsed_s: float | None
     eta_s: float | None
-    speed: float  # expected seconds per real second of one cell (1: as the model says)
+    speed: float  # expected seconds of training and evaluation per real second of one cell (1: as the model says)
+    graph_s: float = GRAPH_S  # the seconds a new graph takes here, as fitted
+
+
+# How far the model may be off before cells tell (a fraction of a cell's seconds; seconds for a graph and
+# for a worker's first cell), and how closely a cell's seconds are known (a fraction, and a floor).
+SPEED_PRIOR, NOISE, NOISE_FLOOR_S = 0.5, 0.05, 1.0
+FRESH_S = 10.0  # a worker process's first cell: torch.compile's own start-up, a cold cache's shared code
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Real seconds per expected second, per new graph, and for a worker process's first cell."""
+
+    per: float = 1.0
+    graph_s: float = GRAPH_S
+    fresh_s: float = FRESH_S
+
+    def seconds(self, cell: "Cell") -> float:
+        return self.per * cell.expected_s + self.graph_s * cell.new_graphs + self.fresh_s * cell.fresh
+
+
+def fit_rates(observed: Sequence[tuple[float, float, int, float]]) -> Rates:
+    """Pure: `Rates` from cells that ended, each as (expected_s, new graph units, 1 if its worker's first cell,
+    real seconds): the least-squares fit of real = per * expected + graph_s * graphs + fresh_s * first, with
+    the model's values as priors. A short cell's extra seconds go mostly to compilation, a long cell's to the
+    machine's speed; cells with and without new graphs, first in a worker or not, tell the three apart. A
+    cost the cells say is below zero is taken as zero and the others fitted without it."""
+    prior = np.array([1.0, GRAPH_S, FRESH_S])
+    scale = np.array([SPEED_PRIOR, GRAPH_S, FRESH_S])
+    x = np.array([o[:3] for o in observed], dtype=float).reshape(-1, 3)
+    y = np.array([o[3] for o in observed], dtype=float)
+    w = 1 / np.maximum(NOISE * y, NOISE_FLOOR_S) ** 2
+    free = [0, 1, 2]
+    while True:
+        a = (x[:, free].T * w) @ x[:, free] + np.diag(1 / scale[free] ** 2)
+        theta = np.linalg.solve(a, (x[:, free].T * w) @ y + prior[free] / scale[free] ** 2)
+        negative = [f for f, t in zip(free, theta) if f and t < 0]
+        if not negative:
+            break
+        free.remove(negative[0])
+    fitted = dict(zip(free, theta))
+    return Rates(max(fitted[0], 1e-3), fitted.get(1, 0.0), fitted.get(2, 0.0))
+
+
+def finish(running_left: Sequence[float], waiting: Sequence[float], at_once: int) -> float:
+    """Pure: when the last cell ends, `at_once` workers each taking the next waiting cell (its seconds, in
+    launch order) as it frees: the last cells, which run with workers idle, are not spread over all of them."""
+    free = sorted([*running_left, *[0.0] * max(0, at_once - len(running_left))])
+    for seconds in waiting:
+        heapq.heappush(free, heapq.heappop(free) + seconds)
+    return max(free, default=0.0)
 
 
 def snapshot(plan: Plan, cells: Sequence[Cell], failed_unrecorded: int = 0, now: float | None = None,
              observed_at_once: int = 0) -> Snapshot:
     """Accounting of a sweep: pure, from its plan and its cells' runs. `failed_unrecorded`: cells that failed
-    before creating a run (their FAILED.txt is in the sweep folder)."""
+    before creating a run (their FAILED.txt is in the sweep folder). A running cell already past what the
+    fit gives it counts as ending now, so a slow machine's ETA grows before its first cell ends."""
     now = time.time() if now is None else now
     counts = {k: 0 for k in ("finished", "failed", "killed", "skipped", "running", "waiting")}
     for cell in cells:
         counts[cell.status.lower()] += 1
     counts["failed"] += failed_unrecorded
-    ended = [c for c in cells if c.status in ("FINISHED", "FAILED") and c.elapsed_s > 0]
-    speed = sum(c.expected_s for c in ended) / sum(c.elapsed_s for c in ended) if ended else 1.0
-    mean_s = (plan.expected_s / plan.cells) if plan.cells and plan.expected_s else 0.0
-    done_s = sum(c.expected_s for c in cells if c.status != "RUNNING") + failed_unrecorded * mean_s
+    finished = [(c.expected_s, c.new_graphs, c.fresh, c.elapsed_s) for c in cells
+                if c.status == "FINISHED" and c.elapsed_s > 0]
     running = [c for c in cells if c.status == "RUNNING"]
-    running_left = [max(0.0, c.expected_s / speed - c.elapsed_s) for c in running]
-    done_s += sum(c.expected_s - left * speed for c, left in zip(running, running_left))
+    rates = fit_rates(finished)
+    overdue = [c for c in running if c.elapsed_s > rates.seconds(c)]
+    if overdue:
+        rates = fit_rates(finished + [(c.expected_s, c.new_graphs, c.fresh, c.elapsed_s) for c in overdue])
+    running_left = [max(0.0, rates.seconds(c) - c.elapsed_s) for c in running]
+    mean_s = (plan.expected_s / plan.cells) if plan.cells and plan.expected_s else 0.0
+    done_s = sum(c.work_s for c in cells if c.status != "RUNNING") + failed_unrecorded * mean_s
+    done_s += sum(c.work_s * (1 - left / max(rates.seconds(c), 1e-9)) for c, left in zip(running, running_left))
     total, total_s, eta = plan.cells, plan.expected_s, None
     if total is not None:
         counts["waiting"] = max(0, total - len(cells) - failed_unrecorded)
     if total_s is not None:
-        waiting_s = max(0.0, total_s - sum(c.expected_s for c in cells) - failed_unrecorded * mean_s)
         at_once = max(plan.cells_at_once or 0, observed_at_once, len(running), 1)
-        eta = max([(waiting_s / speed + sum(running_left)) / at_once, *running_left])
+        later = cells[at_once:]  # (by start) after the first workers' first cells: does each get a new worker?
+        each = rates.fresh_s * (sum(c.fresh for c in later) / len(later) if later else 0.0) + GAP_S
+        if plan.costs is not None and len(plan.costs) == plan.cells:  # the waiting cells, in launch order
+            waiting = [rates.per * e + rates.graph_s * g + each for e, g in plan.costs[plan.cells - counts["waiting"]:]]
+        else:  # the plan's work less what was seen, shared out evenly
+            graphs_left = max(0, plan.graphs - sum(c.new_graphs for c in cells))
+            waiting_s = max(0.0, total_s - plan.graphs * GRAPH_S - sum(c.expected_s for c in cells)
+                            - failed_unrecorded * mean_s)
+            real = rates.per * waiting_s + rates.graph_s * graphs_left + each * counts["waiting"]
+            waiting = [real / counts["waiting"]] * counts["waiting"]
+        eta = finish(running_left, waiting, at_once)
     elapsed = None if plan.started is None else max(0.0, (plan.ended or now) - plan.started)
-    return Snapshot(counts, total, done_s, total_s, elapsed, eta, speed)
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return Snapshot(counts, total, done_s, total_s, elapsed, eta, 1 / rates.per, rates.graph_s)
 
 
 def summary_line(s: Snapshot, work: bool = True) -> str:
@@ -144,16 +246,29 @@ def sweep_runs(client: MlflowClient, experiment_id: str, sweep_id: str) -> tuple
     return (plans[0] if plans else None), cells
 
 
+def costs_tag(costs: Sequence[tuple[float, float]]) -> str | None:
+    """`COSTS`'s value, or None when it would not fit in a tag (the ETA then shares the work out evenly)."""
+    text = " ".join(f"{e:.1f}:{g:g}" for e, g in costs)
+    return text if len(text) <= MAX_COSTS else None
+
+
+def plan_costs(text: str | None) -> tuple[tuple[float, float], ...] | None:
+    if not text:
+        return None
+    return tuple((float(e), float(g)) for e, g in (word.split(":") for word in text.split()))
+
+
 def plan_of(run: Run | None) -> Plan:
     if run is None:
         return Plan(None, None, None)
     tags = run.data.tags
     at_once = tags.get("gaexp.cells_at_once", "")
     return Plan(int(tags["gaexp.cells"]), float(tags["gaexp.expected_s"]), int(at_once) if at_once.isdigit() else None,
-                run.info.start_time / 1000, run.info.end_time / 1000 if run.info.end_time else None)
+                run.info.start_time / 1000, run.info.end_time / 1000 if run.info.end_time else None,
+                float(tags.get("gaexp.graphs", 0)), plan_costs(tags.get(COSTS)))
 
 
-def cell_of(client: MlflowClient, run: Run, sweep_id: str, now: float) -> Cell:
+def cell_of(client: MlflowClient, run: Run, sweep_id: str, now: float, new_graphs: float = 0.0, fresh: int = 0) -> Cell:
     info, tags, params = run.info, run.data.tags, run.data.params
     status = "SKIPPED" if tags.get("sweep_id") != sweep_id and info.status == "FINISHED" else info.status
     end = info.end_time / 1000 if info.end_time else now
@@ -165,13 +280,36 @@ def cell_of(client: MlflowClient, run: Run, sweep_id: str, now: float) -> Cell:
     beat = float(tags.get(HEARTBEAT, info.start_time / 1000))
     expected = cell_seconds(tags, params) if "train.num_iterations" in params else 0.0
     return Cell(info.run_name, status, expected, max(0.0, end - info.start_time / 1000), step, steps, acc,
-                now - beat)
+                now - beat, new_graphs, fresh)
+
+
+def cells_of(client: MlflowClient, runs: Sequence[Run], sweep_id: str, now: float) -> list[Cell]:
+    """The runs as cells, by start time, each credited with the graphs no run that started before it
+    compiled (a skipped run's count as compiled: they were, by its sweep) and whether it was the first its
+    worker process ran (tag gaexp.host)."""
+    return [cell_of(client, run, sweep_id, now, graphs, fresh) for run, graphs, fresh in firsts(runs, sweep_id)]
+
+
+def firsts(runs: Sequence[Run], sweep_id: str) -> list[tuple[Run, float, int]]:
+    """Pure: the runs by start time, each with its new graphs and 1 if first of its worker (see cells_of)."""
+    seen: set[tuple[str, ...]] = set()
+    hosts: set[str] = set()
+    out = []
+    for run in sorted(runs, key=lambda r: r.info.start_time):
+        graphs = run_graphs(run.data.tags) - seen
+        seen |= graphs
+        host = run.data.tags.get(HOST)  # none: a run recorded before gaexp tagged it, not counted as a first
+        fresh = int(host is not None and host not in hosts)
+        hosts.add(host)
+        skipped = run.data.tags.get("sweep_id") != sweep_id
+        out.append((run, 0.0 if skipped else graph_units(graphs), 0 if skipped else fresh))
+    return out
 
 
 def read(client: MlflowClient, experiment_id: str, sweep_id: str, now: float | None = None) -> tuple[Plan, list[Cell]]:
     now = time.time() if now is None else now
     plan_run, runs = sweep_runs(client, experiment_id, sweep_id)
-    return plan_of(plan_run), [cell_of(client, r, sweep_id, now) for r in runs]
+    return plan_of(plan_run), cells_of(client, runs, sweep_id, now)
 
 
 def running_lines(cells: Sequence[Cell], stale_after_s: float = 3600) -> list[str]:
@@ -267,24 +405,53 @@ def sweeps_to_show(client: MlflowClient, experiment_id: str, wanted: str) -> lis
         ids = list(dict.fromkeys([p.data.tags["sweep_id"] for p in plans] + [r.data.tags.get("sweep_id", "") for r in runs]))
         return [i for i in ids if i] if wanted == "all" else ids[:1]
     active = [p.data.tags["sweep_id"] for p in plans if p.info.status == "RUNNING"]
-    return active or [plans[0].data.tags["sweep_id"]]
+    searching = client.search_runs([experiment_id], "attributes.status = 'RUNNING' and tags.`optuna.study` != ''",
+                                   max_results=50_000)  # an Optuna sweep records no plan run: its trials running
+    active += [r.data.tags["sweep_id"] for r in searching if r.data.tags.get("sweep_id") not in active]
+    return list(dict.fromkeys(active)) or [plans[0].data.tags["sweep_id"]]
+
+
+def search_lines(runs: Sequence[Run], sweep_id: str, now: float) -> list[str] | None:
+    """An Optuna sweep's trials, read from the study storage its runs name (param optuna.storage): counts
+    by state, the best value so far, the ETA, as the sweeping terminal shows them. None: no Optuna sweep."""
+    trial_runs = [r for r in runs if r.data.tags.get("optuna.study") and r.data.params.get("optuna.storage")]
+    if not trial_runs:
+        return None
+    run = trial_runs[0]
+    try:
+        tally = trials.sweep_tally(open_storage(run.data.params["optuna.storage"]), run.data.tags["optuna.study"],
+                                   sweep_id, now)
+    except Exception as e:  # noqa: BLE001 - a storage gone or unreachable: the runs still tell what they can
+        return [f"  (its Optuna storage {run.data.params['optuna.storage']} was not read: {type(e).__name__}: {e})"]
+    if tally is None:
+        return ["  (a sweep made before gaexp recorded its plan in the study: its runs so far)"]
+    lines = ["  " + trials.summary_line(tally)]
+    if len(tally.studies) > 1:
+        lines += [f"    {s.name}: " + ", ".join(f"{s.counts[k]} {k}" for k in trials.STATES) + f"; {trials.best_text(s)}"
+                  for s in tally.studies]
+    return lines
 
 
 def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_after_s: float = 3600,
                 now: float | None = None) -> tuple[str, bool]:
-    """The sweep's status block, and whether its plan run is still RUNNING."""
+    """The sweep's status block, and whether it is still going (its plan run RUNNING; a search: a trial's run)."""
     now = time.time() if now is None else now
     plan_run, runs = sweep_runs(client, experiment_id, sweep_id)
     if plan_run is None and not runs:
         raise ValueError(f"no sweep {sweep_id!r} in this experiment")
-    plan, cells = plan_of(plan_run), [cell_of(client, r, sweep_id, now) for r in runs]
+    plan, cells = plan_of(plan_run), cells_of(client, runs, sweep_id, now)
     if plan.started is None and cells:  # no plan recorded: the sweep started with its first cell
         plan = Plan(None, None, None, min(now - c.elapsed_s for c in cells))
     snap = snapshot(plan, cells, now=now)
-    state = f" ({plan_run.info.status})" if plan_run is not None else " (no plan recorded: cells so far)"
-    lines = [f"sweep {sweep_id}{state}", "  " + summary_line(snap), *running_lines(cells, stale_after_s)]
-    for c in sorted((c for c in cells if c.status in ("FAILED", "KILLED")), key=lambda c: c.name):
+    search = None if plan_run is not None else search_lines(runs, sweep_id, now)
+    state = (f" ({plan_run.info.status})" if plan_run is not None else " (Optuna search)" if search is not None
+             else " (no plan recorded: cells so far)")
+    lines = [f"sweep {sweep_id}{state}", *(search or ["  " + summary_line(snap)]), *running_lines(cells, stale_after_s)]
+    ended = ("FAILED",) if search is not None else ("FAILED", "KILLED")  # a search's KILLED: pruned, counted above
+    for c in sorted((c for c in cells if c.status in ended), key=lambda c: c.name):
         lines.append(f"  {c.name:<20} {c.status} after step {c.step}/{c.steps}")
+    if search is not None:
+        return "\n".join(lines), any(c.status == "RUNNING" for c in cells)
     return "\n".join(lines), plan_run is not None and plan_run.info.status == "RUNNING"
 
 

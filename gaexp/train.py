@@ -68,16 +68,22 @@ def compile_phases(choice: str, norm: str, device: torch.device) -> frozenset[st
     channels_last (COMPILED_TRAINING, gaexp/norms.py); eager when no compiler is installed.
     Training compiled or not follows the same arithmetic up to rounding; evaluation's predictions
     differ only on near ties (tests/test_train.py)."""
-    phases = {"off": frozenset(), "eval": frozenset({"eval"}), "all": frozenset({"train", "eval"}),
-              "auto": frozenset({"train", "eval"} if norm in COMPILED_TRAINING else {"eval"})}
-    if choice not in phases:
-        raise ValueError(f"compile={choice!r}; valid: {', '.join(COMPILE_CHOICES)}")
-    missing = compiler_missing(device) if phases[choice] else None
+    phases = planned_phases(choice, norm)
+    missing = compiler_missing(device) if phases else None
     if missing and choice == "auto":
         log.warning("%s: running eager, slower (compile=off silences this)", missing)
         return frozenset()
     if missing:
         raise ValueError(f"compile={choice!r} but {missing}; valid here: off, auto")
+    return phases
+
+
+def planned_phases(choice: str, norm: str) -> frozenset[str]:
+    """Pure: `compile_phases` where a compiler is installed (what a sweep's plan counts on)."""
+    phases = {"off": frozenset(), "eval": frozenset({"eval"}), "all": frozenset({"train", "eval"}),
+              "auto": frozenset({"train", "eval"} if norm in COMPILED_TRAINING else {"eval"})}
+    if choice not in phases:
+        raise ValueError(f"compile={choice!r}; valid: {', '.join(COMPILE_CHOICES)}")
     return phases[choice]
 
 

@@ -291,8 +291,9 @@ def test_sweep_runs_the_longest_cells_first_and_records_its_plan(sweep):
     (plan,) = client.search_runs([runs["bn-bs1a16-s1"].info.experiment_id], "attributes.run_name = 'sweep-%s'" % sweep_id)
     assert plan.info.status == "FINISHED"
     assert (plan.data.tags["gaexp.cells"], plan.data.tags["gaexp.order"]) == ("4", "longest_first")
-    expected = sum(progress.expected_seconds(b, k, 4, 2) for b, k in [(1, 16), (1, 16), (16, 1), (16, 1)])
-    assert float(plan.data.tags["gaexp.expected_s"]) == pytest.approx(expected, abs=0.5)
+    costs = [progress.expected_seconds(b, k, 4, 2) for b, k in [(1, 16), (1, 16), (16, 1), (16, 1)]]
+    assert float(plan.data.tags["gaexp.expected_s"]) == pytest.approx(sum(costs), abs=0.5)  # compile=off: no graphs
+    assert plan.data.tags[progress.COSTS] == " ".join(f"{c:.1f}:0" for c in costs)  # each cell's, in launch order
 
 
 @pytest.mark.slow

@@ -75,6 +75,20 @@ def test_a_cells_cost_follows_its_own_overrides(compose):
     assert sweeper.cost(["regime=bs1a16"]) > base > sweeper.cost(["regime=bs1a1"])
 
 
+def test_a_cells_graphs_are_what_its_compile_choice_compiles_for_its_norm(compose):
+    """The plan counts each graph once (gaexp/progress.py): compile=auto compiles evaluation for every norm,
+    training too for instance norm, one graph per batch size."""
+    from hydra_plugins.gaexp_grid_sweeper.sweeper import cost_of
+
+    sweeper = sweeper_on(compose, "+experiment=spec")
+    def graphs(*overrides):
+        return cost_of(sweeper.cell_config(list(overrides)))[1]
+    assert graphs("norm=in", "regime=bs4a4") == {("eval", "simple", "mnist", "in"),
+                                                 ("train", "simple", "mnist", "in", "4", "loop")}
+    assert graphs("norm=bn", "regime=bs4a4") == {("eval", "simple", "mnist", "bn")}
+    assert graphs("norm=in", "regime=bs4a4", "compile=off") == frozenset()
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(order="random"), "hydra.sweeper.order='random'; valid: longest_first, given"),
     (dict(max_batch_size=0), "hydra.sweeper.max_batch_size=0; valid: null or an integer >= 1"),

@@ -26,8 +26,37 @@ def test_expected_seconds_orders_the_study_regimes_as_the_measured_grid():
         2 * 10_000 * progress.EVAL_IMAGE_S)  # 4 evaluations (3, 6, 9, 10) against 2
 
 
-def cell(name: str, status: str, expected: float, elapsed: float, step: int = 0) -> Cell:
-    return Cell(name, status, expected, elapsed, step, 100)
+def cell(name: str, status: str, expected: float, elapsed: float, step: int = 0, graphs: float = 0.0,
+         fresh: int = 0) -> Cell:
+    return Cell(name, status, expected, elapsed, step, 100, new_graphs=graphs, fresh=fresh)
+
+
+def test_fit_rates_keeps_the_models_values_until_a_cell_ends():
+    assert progress.fit_rates([]) == progress.Rates(1.0, progress.GRAPH_S, progress.FRESH_S)
+
+
+def test_a_short_cells_extra_seconds_go_to_compilation_and_a_long_ones_to_the_machines_speed():
+    """The same first cell (one new graph, a fresh worker) at 20 and at 3,600 steps, 20 s over the model."""
+    short, long = 6.9, 191.0  # expected_seconds at 20 and 3,600 steps (bs1a16)
+    prior = progress.GRAPH_S + progress.FRESH_S
+    at_20 = progress.fit_rates([(short, 1, 1, short + prior + 20)])
+    at_3600 = progress.fit_rates([(long, 1, 1, long + prior + 20)])
+    assert at_20.graph_s + at_20.fresh_s - prior > 0.75 * 20 and at_20.per < 1.35
+    assert at_3600.per == pytest.approx(1 + 20 / long, abs=0.01) and at_3600.graph_s + at_3600.fresh_s < prior + 2
+
+
+def test_cells_with_and_without_new_graphs_tell_speed_and_compilation_apart():
+    truth = progress.Rates(per=1.3, graph_s=20.0, fresh_s=2.0)
+    shapes = [(190, 0, 0), (97, 0, 0), (135, 0, 0), (6.9, 1, 1), (6.4, 1.5, 1), (6.4, 0, 0), (5.9, 1, 0), (6.4, 1.5, 0)]
+    observed = [(e, n, f, truth.per * e + truth.graph_s * n + truth.fresh_s * f) for e, n, f in shapes]
+    fit = progress.fit_rates(observed)
+    assert fit.per == pytest.approx(1.3, rel=0.01) and fit.graph_s == pytest.approx(20, rel=0.05)
+    assert fit.fresh_s == pytest.approx(2.0, abs=1.0)
+
+
+def test_graphs_that_cost_nothing_here_are_zero_not_a_negative_cost():
+    fit = progress.fit_rates([(10.0, 2, 0, 5.0), (10.0, 0, 0, 5.0)])  # no compiler: eager cells, half the model's time
+    assert fit.graph_s == 0 and fit.per == pytest.approx(0.5, rel=0.05)
 
 
 def test_snapshot_counts_every_state_and_the_work_done():
@@ -35,16 +64,32 @@ def test_snapshot_counts_every_state_and_the_work_done():
     cells = [cell("a", "FINISHED", 200, 100), cell("b", "FAILED", 100, 50), cell("c", "SKIPPED", 100, 0),
              cell("d", "KILLED", 100, 10), cell("e", "RUNNING", 100, 20)]
     s = progress.snapshot(plan, cells, failed_unrecorded=1, now=1300)
+    rates = progress.fit_rates([(200, 0, 0, 100)])  # only a FINISHED cell says how fast cells run
+    assert rates.per == pytest.approx(0.5, rel=0.01) and s.speed == pytest.approx(1 / rates.per)
     assert s.counts == {"finished": 1, "failed": 2, "killed": 1, "skipped": 1, "running": 1, "waiting": 2}
-    assert s.speed == pytest.approx(300 / 150)  # the ended cells ran 2x the model's speed
-    # done: 200 + 100 + 100 + 100 (ended), 100 (the failure without a run: the mean cell), 40 (running 20 s at 2x)
-    assert s.done_s == pytest.approx(640)
+    # done: 200 + 100 + 100 + 100 (ended), 100 (the failure without a run: the mean cell), and the running
+    # cell's part: 20 s of its 100 * per
+    assert s.done_s == pytest.approx(600 + 100 * 20 / (100 * rates.per))
     assert s.elapsed_s == 300
-    # waiting: 800 - 600 (seen) - 100 (unrecorded failure) = 100 expected s = 50 s at 2x; running: 30 s left
-    assert s.eta_s == pytest.approx((50 + 30) / 2)
+    # waiting: 800 - 600 (seen) - 100 (unrecorded failure) = 100 expected s over 2 cells, a gap before each;
+    # of the 2 workers one is free and takes both (the second as the first ends, before the running cell's
+    # rest of 100 * per - 20 = 30 s is over)
+    each = (100 * rates.per + 2 * progress.GAP_S) / 2
+    assert 100 * rates.per - 20 > each and s.eta_s == pytest.approx(2 * each)
     line = progress.summary_line(s)
     assert line.startswith("5/8 cells: 1 finished, 2 failed, 1 killed, 1 skipped, 1 running, 2 waiting; 80% of the work")
-    assert line.endswith("elapsed 5m00s, ETA 0m40s")
+    assert line.endswith(f"elapsed 5m00s, ETA {progress.duration(s.eta_s)}")
+
+
+def test_the_work_left_counts_the_graphs_no_cell_has_compiled_yet():
+    """Two cells ran and compiled 1 of the plan's 3 graphs' worth: the other 2 are still to come, at the
+    fitted cost of a graph."""
+    plan = Plan(cells=4, expected_s=4 * 50 + 3 * progress.GRAPH_S, cells_at_once=1, started=0, graphs=3)
+    cells = [cell("a", "FINISHED", 50, 80, graphs=1, fresh=1), cell("b", "FINISHED", 50, 52)]
+    s = progress.snapshot(plan, cells, now=132)
+    rates = progress.fit_rates([(50, 1, 1, 80), (50, 0, 0, 52)])
+    assert s.eta_s == pytest.approx(rates.per * 100 + rates.graph_s * 2 + 2 * progress.GAP_S)
+    assert s.graph_s == rates.graph_s
 
 
 def test_eta_is_never_shorter_than_the_longest_running_cell():
@@ -54,17 +99,34 @@ def test_eta_is_never_shorter_than_the_longest_running_cell():
     assert s.eta_s == 180  # the 200 s cell has 180 s left; (50 + 180 + 40) / 4 would say less
 
 
+def test_a_running_cell_past_its_expected_time_makes_the_eta_grow_not_stick():
+    """No cell ended, the first is slower than the model: the ETA must not stay at what the model said."""
+    plan = Plan(cells=3, expected_s=3 * 10, cells_at_once=1, started=0)
+    etas = [progress.snapshot(plan, [cell("a", "RUNNING", 10, t)], now=t).eta_s for t in (5, 30, 60)]
+    assert etas[0] == pytest.approx(5 + 20 + 2 * progress.GAP_S)  # the model's guess
+    assert etas[2] > etas[1] > etas[0]  # the two waiting cells are as slow as this one is so far
+    assert etas[2] > 3 * etas[0]
+
+
 def test_eta_uses_the_cells_seen_running_at_once_when_the_launcher_did_not_say():
     plan = Plan(cells=4, expected_s=400, cells_at_once=None, started=0)
     cells = [cell("a", "FINISHED", 100, 100), cell("b", "FINISHED", 100, 100)]
-    assert progress.snapshot(plan, cells, now=100).eta_s == 200  # one at a time
-    assert progress.snapshot(plan, cells, now=100, observed_at_once=2).eta_s == 100
+    assert progress.snapshot(plan, cells, now=100).eta_s == pytest.approx(200 + 2 * progress.GAP_S)  # one at a time
+    assert progress.snapshot(plan, cells, now=100, observed_at_once=2).eta_s == pytest.approx(100 + progress.GAP_S)
 
 
 def test_without_a_plan_it_counts_what_it_sees_and_gives_no_eta():
     s = progress.snapshot(Plan(None, None, None), [cell("a", "FINISHED", 100, 80), cell("b", "RUNNING", 100, 5)])
     assert s.total is None and s.eta_s is None and s.counts["waiting"] == 0
     assert progress.summary_line(s) == "1/? cells: 1 finished, 1 running; elapsed ?, ETA ?"
+
+
+def test_graph_keys_are_shared_by_the_cells_that_share_a_graph():
+    def keys(norm, b, phases=("train", "eval")):
+        return progress.graph_keys(phases, "simple", "mnist", norm, b, "loop")
+    assert keys("in", 1) & keys("in", 16) == {("eval", "simple", "mnist", "in")}  # evaluation: one per norm
+    assert not keys("bn", 1) & keys("in", 1) and keys("bn", 1, ()) == frozenset()
+    assert progress.graph_units(keys("in", 1)) == 1 + progress.TRAIN_GRAPH
 
 
 # --- on a real store ----------------------------------------------------------------------------------------
@@ -74,13 +136,13 @@ SWEEP = "2026-11-30_10-00-00"
 
 def cell_run(client: MlflowClient, experiment_id: str, name: str, status: str, sweep_id: str = SWEEP,
              evals: tuple[tuple[int, float], ...] = (), b: int = 1, k: int = 16, heartbeat: float | None = None,
-             elapsed: float = 100) -> str:
+             elapsed: float = 100, tags: dict | None = None) -> str:
     """A run as a gaexp cell records it: its tags, the protocol params, evaluations, a status, `elapsed`
     seconds from its start to now (its end, if it ended)."""
     norm, regime, seed = name.split("-")
     tags = {"norm": norm, "regime": regime, "seed": seed[1:], "batch_size": b, "num_accum": k,
             "sweep_id": sweep_id, tracking.SWEEPS: sweep_id,
-            tracking.HEARTBEAT: f"{heartbeat if heartbeat is not None else time.time():.0f}"}
+            tracking.HEARTBEAT: f"{heartbeat if heartbeat is not None else time.time():.0f}", **(tags or {})}
     now = int(time.time() * 1000)
     run_id = client.create_run(experiment_id, start_time=now - int(elapsed * 1000), run_name=name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id
@@ -109,6 +171,13 @@ def store(tmp_path):
     plan.__exit__(None, None, None)
 
 
+def one_waiting_cell_s() -> float:
+    """The store's ETA: the finished cell took 100 s, the running one is 1,000 s in, past what 100 s says, so
+    it counts as ending now; the one waiting cell then takes a worker at the speed the two give."""
+    expected = progress.expected_seconds(1, 16, **PROTOCOL)
+    return progress.fit_rates([(expected, 0, 0, 100), (expected, 0, 0, 1000)]).per * expected + progress.GAP_S
+
+
 def test_read_maps_runs_to_cells_and_skipped_runs_count_in_a_later_sweep(store):
     uri, client, experiment_id, _ = store
     plan, cells = progress.read(client, experiment_id, SWEEP)
@@ -124,6 +193,23 @@ def test_read_maps_runs_to_cells_and_skipped_runs_count_in_a_later_sweep(store):
     tracking.add_to_sweep(client, finished, "2026-12-01_09-00-00")  # a resume that skipped it
     _, later = progress.read(client, experiment_id, "2026-12-01_09-00-00")
     assert [(c.name, c.status) for c in later] == [("bn-bs1a16-s1", "SKIPPED")]
+
+
+def test_each_cell_is_credited_with_the_graphs_no_earlier_cell_compiled_and_its_workers_first_cell(store):
+    _, client, experiment_id, _ = store
+    sweep = "2026-12-02_11-00-00"
+    for name, b, k, compiled, host, ago in [("in-bs1a16-s1", 1, 16, "train,eval", "h:1", 300),
+                                            ("in-bs16a1-s1", 16, 1, "train,eval", "h:2", 290),
+                                            ("in-bs1a16-s2", 1, 16, "train,eval", "h:1", 100),
+                                            ("bn-bs1a16-s1", 1, 16, "eval", "h:2", 50)]:
+        cell_run(client, experiment_id, name, "FINISHED", sweep_id=sweep, evals=((3600, 0.9),), b=b, k=k,
+                 elapsed=ago, tags={"compiled": compiled, tracking.HOST: host, "model": "simple", "dataset": "mnist"})
+    _, cells = progress.read(client, experiment_id, sweep)
+    assert [(c.name, c.new_graphs, c.fresh) for c in cells] == [
+        ("in-bs1a16-s1", 1 + progress.TRAIN_GRAPH, 1),  # in's evaluation graph and its training graph at b=1
+        ("in-bs16a1-s1", progress.TRAIN_GRAPH, 1),       # evaluation's is in's again: only training's at b=16
+        ("in-bs1a16-s2", 0, 0),                          # both compiled before it; its worker's second cell
+        ("bn-bs1a16-s1", 1, 0)]                          # bn's evaluation graph
 
 
 def test_status_shows_the_running_cell_with_its_step_and_accuracy_and_the_killed_one(store, capsys):
@@ -198,7 +284,7 @@ def test_live_prints_a_line_per_ended_cell_with_the_totals_and_beats_for_the_pla
     assert snap.counts["failed"] == 1 and snap.counts["waiting"] == 0
     assert out.getvalue().count("\n") == 2  # no cell ended since: nothing printed again
     assert client.get_run(plan_id).data.tags[tracking.HEARTBEAT] == f"{plan.started + 5:.0f}"  # the sweep is alive
-    assert lines[0].endswith("elapsed 0m05s, ETA 0m50s")
+    assert lines[0].endswith(f"elapsed 0m05s, ETA {progress.duration(one_waiting_cell_s())}")
 
 
 def test_live_on_a_terminal_draws_one_bar_over_the_work(store, tmp_path, capsys):
@@ -209,11 +295,12 @@ def test_live_on_a_terminal_draws_one_bar_over_the_work(store, tmp_path, capsys)
         pass
     err = capsys.readouterr()
     assert err.out == ""  # no per-cell lines beside the bar
-    # the finished cell took 100 s for 186 expected: 1.86x; the running one, 1000 s in, counts as done; the
-    # killed one too: 3 of 4 equal cells, and the waiting one's 186 s / 1.86 over 2 cells at once: 50 s
+    # 3 of 4 equal cells done (the running one, past what the fit gives it, counts as ending now); the waiting
+    # one runs on a free worker at the fitted speed
     last = err.err.rstrip().split("\r")[-1]
     assert last.startswith(" 75% |")
-    assert last.endswith("| 2/4 cells: 1 finished, 1 killed, 1 running, 1 waiting; elapsed 0m00s, ETA 0m50s")
+    assert last.endswith("| 2/4 cells: 1 finished, 1 killed, 1 running, 1 waiting; elapsed 0m00s, "
+                         f"ETA {progress.duration(one_waiting_cell_s())}")
 
 
 def test_live_waits_out_a_store_it_cannot_read(tmp_path):

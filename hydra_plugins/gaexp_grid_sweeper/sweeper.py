@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -38,12 +38,16 @@ def uncompleted(error: Exception) -> str:
             "(docs/cluster.md).")
 
 
-def cost_of(cfg: DictConfig) -> float:
-    """A cell's expected work (gaexp/progress.py), from its own composed config."""
+def cost_of(cfg: DictConfig) -> Tuple[float, FrozenSet[Tuple[str, ...]]]:
+    """A cell's expected work and the graphs it compiles (gaexp/progress.py), from its own composed config."""
     from gaexp import progress  # gaexp (torch, MLflow) loads when a sweep runs, not at Hydra's plugin scan
+    from gaexp.train import planned_phases
 
+    graphs = progress.graph_keys(planned_phases(cfg.compile, cfg.norm.name), cfg.model.name, cfg.data.dataset,
+                                 cfg.norm.name, cfg.regime.batch_size, cfg.accumulate)
     return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
-                                     cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES, cfg.model.cost)
+                                     cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES,
+                                     cfg.model.cost), graphs
 
 
 def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> None:
@@ -80,7 +84,7 @@ class GridSweeper(BasicSweeper):
                                                                   sweep_overrides=list(overrides))
 
     def cost(self, overrides: Sequence[str]) -> float:
-        return cost_of(self.cell_config(overrides))
+        return cost_of(self.cell_config(overrides))[0]
 
     def sweep(self, arguments: List[str]) -> Any:
         from gaexp import progress
@@ -88,20 +92,31 @@ class GridSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         (cells,) = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)
         varying = [i for i in range(len(cells[0]) if cells else 0) if len({c[i] for c in cells}) > 1]
-        costs = []
+        costs, compiles = [], []
         for cell in cells:  # composed and checked as its job will be: bad input stops the sweep before the plan run
             cfg = self.cell_config(cell)
             check_cell(cfg, [cell[i] for i in varying])
-            costs.append(cost_of(cfg))
+            cost, compiled = cost_of(cfg)
+            costs.append(cost)
+            compiles.append(compiled)
         if self.order == "longest_first":
-            cells, costs = longest_first(cells, costs), sorted(costs, reverse=True)
+            order = sorted(range(len(cells)), key=lambda i: -costs[i])  # as longest_first orders them
+            cells = longest_first(cells, costs)
+            costs, compiles = [costs[i] for i in order], [compiles[i] for i in order]
+        graphs: set = set()
+        new = []  # each cell's graphs that no cell launched before it compiles
+        for compiled in compiles:
+            new.append(progress.graph_units(compiled - graphs))
+            graphs |= compiled
         size = self.max_batch_size or len(cells)
         self.overrides = [cells[i:i + size] for i in range(0, len(cells), size)]
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         at_once = self.config.get("cells_at_once")
-        plan = progress.Plan(len(cells), sum(costs), at_once if at_once and at_once > 0 else None)
+        units = progress.graph_units(graphs)
+        plan = progress.Plan(len(cells), sum(costs) + units * progress.GRAPH_S,
+                             at_once if at_once and at_once > 0 else None, graphs=units, costs=tuple(zip(costs, new)))
         log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
                  self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
                  progress.duration(plan.expected_s))
@@ -133,6 +148,7 @@ class GridSweeper(BasicSweeper):
         experiment_id = tracking.experiment_id(client, cfg.mlflow.experiment_name)
         tags = {"gaexp.role": progress.ROLE, "sweep_id": sweep_dir.name, "gaexp.cells": plan.cells,
                 "gaexp.expected_s": f"{plan.expected_s:.3f}", "gaexp.cells_at_once": plan.cells_at_once or "",
+                "gaexp.graphs": plan.graphs, progress.COSTS: progress.costs_tag(plan.costs) or "",
                 "gaexp.order": self.order}
         with tracking.tracked_run(client, experiment_id, f"sweep-{sweep_dir.name}", tags) as run_id:
             if self.show is False:
