@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -18,7 +20,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from gaexp import app, tuning
+from gaexp import app, progress, tuning
 from hydra_plugins.gaexp_optuna_sweeper import _impl as sweeper
 from hydra_plugins.gaexp_optuna_sweeper.config import PRUNERS, SAMPLERS
 from hydra_plugins.gaexp_optuna_sweeper._impl import make_pruner, make_sampler, open_storage, split_arguments
@@ -206,7 +208,7 @@ def sweeper_for(config, **change):
     impl = sweeper.OptunaSweeperImpl(**settings(**change))
     impl.config = config
     impl.tells = sweeper.has_node(config, impl.trial_key)
-    impl.storage = "STORAGE"
+    impl.storage, impl.sweep_dir = "STORAGE", Path("multirun/2026-12-02_10-00-00")
     return impl
 
 
@@ -224,6 +226,62 @@ def test_an_interrupted_launch_fails_its_trials_at_once_and_goes_on_raising(tmp_
     with pytest.raises(KeyboardInterrupt):
         impl.run_study(study, [], {}, {"x": FloatDistribution(0.0, 1.0)}, [[]])
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+
+
+# --- progress: this sweep's trials by state, the best so far, an ETA ----------------------------------------
+
+def study_with_trials(tmp_path, sweep_id="2026-12-02_10-00-00"):
+    """A study as a sweep leaves it midway: 2 complete (0.90, 0.95), 1 pruned at step 10, 1 failed, 1
+    running, all marked as `sweep_id`'s, and a complete trial of another sweep better than all (0.99)."""
+    storage = open_storage(str(tmp_path / "j.journal"))
+    study = optuna.create_study(study_name="t", storage=storage, direction="maximize")
+    def trial(state, value=None, sweep=sweep_id, step=None):
+        t = study.ask({"x": FloatDistribution(0.0, 1.0)})
+        t.set_user_attr(sweeper.progress.SWEEP, sweep)
+        if step is not None:
+            t.report(0.1, step)
+        if state is not None:
+            study.tell(t, value, state=state)
+    trial(TrialState.COMPLETE, 0.90)
+    trial(TrialState.COMPLETE, 0.95)
+    trial(TrialState.PRUNED, step=10)
+    trial(TrialState.FAIL)
+    trial(TrialState.COMPLETE, 0.99, sweep="another")
+    trial(None)  # running
+    plan = {"studies": ["t"], "trials": [8], "n_jobs": 2, "direction": "maximize", "started": time.time() - 60}
+    study.set_user_attr(sweeper.progress.PLAN + sweep_id, plan)
+    return storage, study, plan
+
+
+def test_a_sweeps_tally_counts_its_own_trials_by_state_with_its_best(tmp_path):
+    storage, _, _ = study_with_trials(tmp_path)
+    t = sweeper.progress.sweep_tally(storage, "t", "2026-12-02_10-00-00")
+    assert t.counts == {"complete": 2, "pruned": 1, "failed": 1, "running": 1, "waiting": 3}
+    assert t.studies[0].best == (1, 0.95)  # not the other sweep's 0.99
+    line = sweeper.progress.summary_line(t)
+    assert line.startswith("4/8 trials: 2 complete, 1 pruned, 1 failed, 1 running, 3 waiting; best 0.9500 (trial 1); "
+                           "elapsed 1m0")
+    assert sweeper.progress.sweep_tally(storage, "t", "no-such-sweep") is None  # it recorded no plan
+
+
+def test_the_eta_is_the_running_batchs_rest_and_a_mean_trial_per_batch_to_come():
+    one = sweeper.progress.StudyTally("a", 10, {"complete": 3, "pruned": 1, "failed": 0, "running": 2, "waiting": 4},
+                                      (2, 0.9), [30.0, 30.0, 50.0, 10.0])
+    t = sweeper.progress.tally([one], n_jobs=2, started=0, now=130, running_since=120)
+    assert t.eta_s == pytest.approx((30 - 10) + 2 * 30)  # mean 30 s: 20 s left of this batch, 2 batches of 2
+    assert sweeper.progress.tally([dataclasses.replace(one, durations=[])], 2, 0, 130, 120).eta_s is None
+
+
+def test_progress_prints_a_line_per_ended_trial_with_the_totals_once_each(tmp_path):
+    storage, study, plan = study_with_trials(tmp_path)
+    out = io.StringIO()
+    live = sweeper.progress.Live(storage, plan, "2026-12-02_10-00-00", every=60, bar=False, out=out)
+    live.poll()
+    live.poll()  # nothing ended since: nothing printed again
+    lines = out.getvalue().splitlines()
+    assert [l.split(" | ")[0].rsplit(" (", 1)[0] for l in lines] == [
+        "trial 0 COMPLETE, value 0.9000", "trial 1 COMPLETE, value 0.9500", "trial 2 PRUNED at step 10", "trial 3 FAILED"]
+    assert all(l.split(" | ")[1].startswith("4/8 trials: 2 complete, 1 pruned, 1 failed, 1 running") for l in lines)
 
 
 def test_default_study_names_and_storages_never_collide(tmp_path):
@@ -367,7 +425,7 @@ def study_of(tmp_path, name):
 
 
 @pytest.mark.slow
-def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_command, training_runs):
+def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_command, training_runs, capsys):
     proc = gaexp_command(tmp_path, *study_args(tmp_path, MEDIAN_AFTER_ONE), "launch=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_trials=4",
                          "hydra.sweeper.n_jobs=2", "hydra.sweeper.sampler.seed=3", f"data.holdout={HOLDOUT}",
                          "train.lr=tag(log, interval(1e-4, 1e-2))")
@@ -395,6 +453,15 @@ def test_a_tiny_study_through_joblib_with_its_runs_in_mlflow(tmp_path, gaexp_com
         if trial.state == TrialState.COMPLETE:  # its value: the report's metric, the mean at step > window_start (0)
             assert trial.value == pytest.approx(sum(history.values()) / len(history), abs=1e-12)
         assert run.info.status == ("FINISHED" if trial.state == TrialState.COMPLETE else "KILLED")
+    # the terminal (not a tty here): a line per ended trial with the totals; gaexp-status reads the same
+    ended = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
+    assert sorted(line.split()[1] for line in ended) == ["0", "1", "2", "3"]
+    totals = ended[-1].split(" | ")[1]
+    assert totals.startswith("4/4 trials: ") and f"best {study.best_value:.4f} (trial {study.best_trial.number})" in totals
+    sweep_id = runs["gn4-bs16a1-s1-t0"].data.tags["sweep_id"]
+    progress.main(["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--sweep", sweep_id])
+    status = capsys.readouterr().out.splitlines()
+    assert status[:2] == [f"sweep {sweep_id} (Optuna search)", "  " + totals]
     ((name, outcome, overrides),) = tuning.tuned_commands(client, "gaexp", "t", "1,2", ["launch=joblib"])
     assert (name, outcome["trial"], outcome["value"]) == ("t", study.best_trial.number, study.best_value)
     assert f"train.lr={study.best_params['train.lr']!r}" in overrides  # the best value, exactly

@@ -15,6 +15,7 @@ trials run, the sweep records a heartbeat for each; a RUNNING trial whose beats 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -38,6 +39,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
+from hydra_plugins.gaexp_optuna_sweeper import _progress as progress
 from hydra_plugins.gaexp_optuna_sweeper.config import DIRECTIONS
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
@@ -360,7 +362,7 @@ class OptunaSweeperImpl:
                  n_trials: int, n_jobs: int, max_batch_size: Optional[int], max_failure_rate: float,
                  params: Optional[Dict[str, str]], grid: Optional[Dict[str, str]], repeats: Optional[Dict[str, Any]],
                  trial_key: Optional[str], heartbeat_interval: float, grace_period: Optional[float],
-                 failed_trial_callback: Any) -> None:
+                 failed_trial_callback: Any, progress: Optional[bool] = None, poll_s: float = 10.0) -> None:
         if direction not in DIRECTIONS:
             raise SweeperError(f"hydra.sweeper.direction={direction!r}; valid: {', '.join(DIRECTIONS)}")
         for key, value, ok, valid in (
@@ -369,6 +371,7 @@ class OptunaSweeperImpl:
                 ("max_batch_size", max_batch_size, max_batch_size is None or max_batch_size >= 1, "null or an integer >= 1"),
                 ("max_failure_rate", max_failure_rate, 0.0 <= max_failure_rate <= 1.0, "a number in [0, 1]"),
                 ("heartbeat_interval", heartbeat_interval, heartbeat_interval > 0, "seconds > 0"),
+                ("poll_s", poll_s, poll_s > 0, "seconds > 0"),
                 ("grace_period", grace_period, grace_period is None or grace_period >= heartbeat_interval,
                  f"null (2 x heartbeat_interval) or seconds >= heartbeat_interval ({heartbeat_interval})")):
             if not ok:
@@ -379,7 +382,7 @@ class OptunaSweeperImpl:
         self.max_failure_rate, self.trial_key = max_failure_rate, trial_key
         self.params, self.grid = dict(params or {}), dict(grid or {})
         self.repeats = OmegaConf.to_container(repeats) if isinstance(repeats, DictConfig) else dict(repeats or {})
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_interval, self.show, self.poll_s = heartbeat_interval, progress, poll_s
         self.grace_period = 2 * heartbeat_interval if grace_period is None else grace_period
         self.callback = None if failed_trial_callback is None else make(
             failed_trial_callback, "hydra.sweeper.failed_trial_callback", object)
@@ -414,15 +417,26 @@ class OptunaSweeperImpl:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the input is good: the storage may be made
         self.backend = open_storage(self.storage, self.heartbeat_interval, self.grace_period, self.callback)
         dropped = [*space, *self.repeats, *([self.trial_key] if self.trial_key else [])]
+        studies = [self.study(cell, fixed, dropped, sampler) for cell, sampler in zip(cells, samplers)]
+        plan = {"studies": [s.study_name for s in studies], "trials": [self.to_run(s, space, self.n_trials) for s in studies],
+                "n_jobs": self.n_jobs, "direction": self.direction, "started": time.time()}
+        for study in studies:  # where progress (and gaexp-status) reads what this command runs
+            study.set_user_attr(progress.PLAN + self.sweep_dir.name, plan)
         results = {}
-        for cell, sampler in zip(cells, samplers):
-            study = self.study(cell, fixed, dropped, sampler)
-            before = len(study.trials)
-            ran = self.run_study(study, cell, fixed, space, repeats)
-            results[study.study_name] = summary(study, before, ran)
-            log.info("%s: %d trial(s) before, this command ran %d (%s); best %s", study.study_name, before, len(ran),
-                     ", ".join(f"{k} {v}" for k, v in results[study.study_name]["ran"].items()) or "none",
-                     results[study.study_name]["best"])
+        with progress.Live(self.backend, plan, self.sweep_dir.name, self.poll_s, self.show) if self.show is not False \
+                else contextlib.nullcontext():
+            try:
+                for cell, study, to_go in zip(cells, studies, plan["trials"]):
+                    before = len(study.trials)
+                    ran = self.run_study(study, cell, fixed, space, repeats, to_go)
+                    results[study.study_name] = summary(study, before, ran)
+                    log.info("%s: %d trial(s) before, this command ran %d (%s); best %s", study.study_name, before,
+                             len(ran), ", ".join(f"{k} {v}" for k, v in results[study.study_name]["ran"].items())
+                             or "none", results[study.study_name]["best"])
+            finally:  # its end, for the last poll and gaexp-status
+                plan["ended"] = time.time()
+                for study in studies:
+                    study.set_user_attr(progress.PLAN + self.sweep_dir.name, plan)
         OmegaConf.save(OmegaConf.create({"storage": self.storage, "direction": self.direction, "studies": results}),
                        self.sweep_dir / RESULTS)
 
@@ -463,17 +477,25 @@ class OptunaSweeperImpl:
             self.job_idx += len(batch[i:i + size])
         return returns
 
-    def run_study(self, study: optuna.Study, cell: Sequence[str], fixed: Dict[str, str],
-                  space: Dict[str, BaseDistribution], repeats: List[List[str]]) -> List[TrialState]:
-        """This command's `n_trials` trials of the study, `n_jobs` at a time; returns their states."""
-        to_go = self.n_trials
+    @staticmethod
+    def to_run(study: optuna.Study, space: Dict[str, BaseDistribution], n_trials: int) -> int:
+        """The trials this command runs of the study: n_trials, or the grid's points not yet tried."""
         if isinstance(study.sampler, optuna.samplers.GridSampler):  # every point once at most
-            to_go = min(to_go, math.prod(len(v) for v in grid_points(space).values()) - len(study.trials))
+            return max(0, min(n_trials, math.prod(len(v) for v in grid_points(space).values()) - len(study.trials)))
+        return n_trials
+
+    def run_study(self, study: optuna.Study, cell: Sequence[str], fixed: Dict[str, str],
+                  space: Dict[str, BaseDistribution], repeats: List[List[str]],
+                  to_go: Optional[int] = None) -> List[TrialState]:
+        """`to_go` trials of the study (None: `to_run`'s), `n_jobs` at a time, each marked as this sweep's;
+        returns their states."""
+        to_go = self.to_run(study, space, self.n_trials) if to_go is None else to_go
         ran: List[TrialState] = []
         with Heartbeat(self.backend, self.heartbeat_interval) as heart:
             while to_go > 0:
                 trials = [study.ask(space) for _ in range(min(self.n_jobs, to_go))]
                 for trial in trials:
+                    trial.set_user_attr(progress.SWEEP, self.sweep_dir.name)
                     heart.add(trial._trial_id)
                 try:
                     returns = self.launch([self.overrides(study, trial, cell, fixed, i, repeats)

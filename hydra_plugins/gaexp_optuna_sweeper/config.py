@@ -209,6 +209,8 @@ class GaexpOptunaSweeperConf:
     grace_period: Optional[float] = None  # a RUNNING trial without a beat for this long is failed; null: 2 x interval
     failed_trial_callback: Any = None  # called with (study, trial) for each trial failed so, e.g. a node
     # _target_: optuna.storages.RetryFailedTrialCallback (its trial is asked again)
+    progress: Optional[bool] = None  # null: a bar over the trials on a terminal, else a line per ended trial; false: none
+    poll_s: float = 10.0  # seconds between the reads of the storage that progress makes
 
 
 def register() -> None:
