@@ -15,6 +15,8 @@ import argparse
 import functools
 import re
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,3 +231,72 @@ def test_the_usage_contents_list_every_section():
     expected = [("  " if level == "###" else "") + f"- [{title}](#{anchor(title)})" for level, title in headings]
     listed = re.findall(r"^ *- \[.+\]\(#.+\)$", text.split("\n## ", 1)[0], re.M)
     assert listed == expected
+
+
+# --- a newcomer's walk: one documented command of each family, as written, at a tiny budget ----------------
+
+BUDGET = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off"]
+
+
+def documented(document: str, start: str) -> Command:
+    """The first command of `document` whose words start with `start` (the test follows the docs: change the
+    command there and the walk runs the new one)."""
+    found = [c for c in COMMANDS if c.where.split(":")[0] == document and " ".join(c.argv).startswith(start)]
+    assert found, f"{document} no longer shows a command starting {start!r}: give the walk another"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, data_root, monkeypatch, capsys):
+    """In an empty folder whose outputs/data holds MNIST (where `make data` puts it): the data, a check, a
+    study file, an Optuna search, gaexp-tuned, a report, the status and the UI, each as the docs write it,
+    the sweeps cut to one cell or study and a 4-step budget (the objective's window from step 0): the only
+    words added."""
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "data").symlink_to(data_root)
+    monkeypatch.chdir(tmp_path)
+
+    def run(argv: list[str]) -> str:
+        proc = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{' '.join(argv)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        return proc.stdout + proc.stderr
+
+    data = documented("docs/usage.md", "gaexp.data --root outputs/data")
+    datasets.main(list(data.argv[1:]))
+    assert capsys.readouterr().out.startswith("mnist: 60,000 training + 10,000 test images of 1x28x28, 10 classes")
+
+    check = documented("docs/usage.md", "gaexp-check model=simple norm=gn4 --data mnist")
+    with pytest.raises(SystemExit) as done:
+        check_cli.main(list(check.argv[1:]))
+    assert done.value.code == 0 and "SAFE" in capsys.readouterr().out
+
+    study = documented("README.md", "gaexp -m +experiment=spec seed=1 train.num_iterations=600")
+    printed = run(["gaexp", *study.argv[1:], "norm=gn4", "regime=bs16a1", *BUDGET])
+    assert "gn4-bs16a1-s1 FINISHED" in printed and "report of sweep" in printed  # a report, with the window's note
+
+    search = documented("README.md", "gaexp -m +experiment=tune_lr")
+    printed = run(["gaexp", *search.argv[1:], "hydra.sweeper.grid.norm=gn4", "hydra.sweeper.grid.regime=bs16a1",
+                   "hydra.sweeper.n_trials=2", "data.holdout=500", "analysis.window_start=0", *BUDGET])
+    assert re.search(r"\| 2/2 trials: \d complete, \d pruned, 0 failed, 0 running, 0 waiting; best 0\.\d{4}", printed)
+
+    tuned = documented("docs/usage.md", "gaexp-tuned --run")
+    run(["gaexp.tuning", *tuned.argv[1:]])
+    report = documented("docs/usage.md", "gaexp-report --experiment gaexp-tune_lr-test")
+    analysis.main(list(report.argv[1:]))
+    table = capsys.readouterr().out
+    assert "| gn4 | bs16a1 |" in table  # the one cell tuned, at its best lr
+
+    status = documented("docs/usage.md", "gaexp-status")
+    progress.main([*status.argv[1:], "--experiment", "gaexp-tune_lr-test"])
+    assert re.match(r"sweep \S+ \(FINISHED\)\n  3/3 cells: 3 finished, 0 running;", capsys.readouterr().out)
+
+    execs = []
+    monkeypatch.setattr(ui.os, "execv", lambda path, argv: execs.append(argv))
+    make_ui = documented("docs/usage.md", "make ui")
+    assert make_ui.argv == ("make", "ui")  # the Makefile's ui target: python -m gaexp.ui --store $(STORE) ...
+    ui.main([])
+    links = capsys.readouterr().out
+    for experiment in ("gaexp", "gaexp-tune_lr", "gaexp-tune_lr-test"):  # the study file's, the search's, the reruns'
+        assert re.search(rf"^{experiment}: \d+ runs  http://127\.0\.0\.1:5000/#/experiments/\d+\?workflowType=machine_learning$",
+                         links, re.M), links
+    assert execs and execs[0][1:3] == ["ui", "--backend-store-uri"]
