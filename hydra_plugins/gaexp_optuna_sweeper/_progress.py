@@ -50,9 +50,8 @@ class Tally:
     eta_s: Optional[float]  # None before a trial ended
 
 
-def study_tally(name: str, trials: Sequence[FrozenTrial], sweep_id: str, planned: int, direction: str) -> StudyTally:
-    """Pure: the trials of `sweep_id` among a study's `trials`."""
-    mine = [t for t in trials if t.user_attrs.get(SWEEP) == sweep_id]
+def study_tally(name: str, mine: Sequence[FrozenTrial], planned: int, direction: str) -> StudyTally:
+    """Pure: one study's tally from the trials a sweep asked of it (`sweep_trials`)."""
     counts = dict.fromkeys(STATES, 0)
     for t in mine:
         counts[{TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}.get(
@@ -123,10 +122,10 @@ def sweep_trials(storage: optuna.storages.BaseStorage, plan: Dict[str, Any], swe
                    if t.user_attrs.get(SWEEP) == sweep_id] for name in plan["studies"]}
 
 
-def plan_tally(plan: Dict[str, Any], trials: Dict[str, List[FrozenTrial]], sweep_id: str, now: float) -> Tally:
+def plan_tally(plan: Dict[str, Any], trials: Dict[str, List[FrozenTrial]], now: float) -> Tally:
     """Pure: `tally` of the plan's studies from their trials (`sweep_trials`), at its end if it ended."""
     now = min(now, plan.get("ended") or now)
-    studies = [study_tally(name, trials[name], sweep_id, planned, plan["direction"])
+    studies = [study_tally(name, trials[name], planned, plan["direction"])
                for name, planned in zip(plan["studies"], plan["trials"])]
     running = [t.datetime_start.timestamp() for ts in trials.values() for t in ts
                if t.state == TrialState.RUNNING and t.datetime_start]
@@ -140,7 +139,7 @@ def sweep_tally(storage: optuna.storages.BaseStorage, study_name: str, sweep_id:
     plan = optuna.load_study(study_name=study_name, storage=storage).user_attrs.get(PLAN + sweep_id)
     if plan is None:
         return None
-    return plan_tally(plan, sweep_trials(storage, plan, sweep_id), sweep_id, time.time() if now is None else now)
+    return plan_tally(plan, sweep_trials(storage, plan, sweep_id), time.time() if now is None else now)
 
 
 class Live:
@@ -182,7 +181,7 @@ class Live:
         except Exception as e:  # noqa: BLE001 - a busy storage: the progress waits, the sweep goes on
             log.debug("progress: storage not read (%s)", e)
             return None
-        t = plan_tally(self.plan, trials, self.sweep_id, self.clock())
+        t = plan_tally(self.plan, trials, self.clock())
         ended = [(name, trial) for name, ts in trials.items() for trial in ts if trial.state.is_finished()]
         if self.tqdm is not None:
             self.tqdm.n = min(t.planned - t.counts["waiting"] - t.counts["running"], self.tqdm.total)
