@@ -268,7 +268,7 @@ def test_the_docs_key_table_is_generated_from_the_schema():
 
 
 LAYERS = ["machine", "config", "configdocs", "targets", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
-          "tracking", "progress", "tuning", "analysis",
+          "tracking", "progress", "eta_replay", "tuning", "analysis",
           "ui", "compare",
           "bench", "check_cli", "zoo", "app", "__main__"]
 
