@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from mlflow.entities import Run
@@ -52,16 +53,13 @@ def cells_at(runs: Sequence[Run], t_ms: int, sweep_id: str) -> list[progress.Cel
 def replay(plan_run: Run, runs: Sequence[Run]) -> list[Moment]:
     """The ETA the accounting gives at each cell's end, beside the truth."""
     recorded = progress.plan_of(plan_run)  # its cells and cells at once; the work as the sweeper costs it now
-    seen: set = set()
-    costs = []
-    for run in sorted(runs, key=lambda r: r.info.start_time):  # the launch order
-        compiled = progress.run_graphs(run.data.tags)
-        costs.append((progress.cell_seconds(run.data.tags, run.data.params), progress.graph_units(compiled - seen)))
-        seen |= compiled
-    graphs = progress.graph_units(seen)
+    sweep_id = plan_run.data.tags["sweep_id"]
+    costs = [(progress.cell_seconds(run.data.tags, run.data.params), graphs)  # by start: the launch order
+             for run, graphs, _ in progress.firsts(runs, sweep_id)]
+    graphs = progress.graph_units(frozenset().union(*(progress.run_graphs(r.data.tags) for r in runs)))
     work = sum(e for e, _ in costs) + graphs * progress.GRAPH_S
     plan = progress.Plan(recorded.cells, work, recorded.cells_at_once, recorded.started, None, graphs, tuple(costs))
-    sweep_id, end = plan_run.data.tags["sweep_id"], plan_run.info.end_time
+    end = plan_run.info.end_time
     moments, most_running = [], 0
     for run in sorted((r for r in runs if r.info.end_time), key=lambda r: r.info.end_time):
         t = run.info.end_time
@@ -97,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--floor-s", type=float, default=5.0,
                         help="leave out moments with fewer seconds left from the summary (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
+        sys.exit(f"error: no MLflow store at {args.tracking_uri}")  # MLflow would make an empty one there
     client = MlflowClient(args.tracking_uri)
     experiment = client.get_experiment_by_name(args.experiment)
     if experiment is None:
