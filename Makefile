@@ -53,10 +53,9 @@ ui:           ## browse every run: prints each experiment's link to its runs tab
               ## (STORE=sqlite:///ABSOLUTE/PATH.db: another store; STORE=http://HOST:PORT: a server's own UI)
 	$(PYTHON) -m gaexp.ui --store $(STORE) --host 127.0.0.1 --port $(PORT)
 
-server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines (docs/cluster.md)
-	mkdir -p outputs/server
-	$(VENV)/bin/mlflow server --backend-store-uri sqlite:///$(CURDIR)/outputs/server/mlflow.db \
-	    --artifacts-destination $(CURDIR)/outputs/server/artifacts --host $(HOST) --port $(PORT)
+server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines, then locked:
+              ## users and passwords, the admin's from MLFLOW_AUTH_ADMIN_PASSWORD (docs/cluster.md)
+	$(PYTHON) -m gaexp.server --root $(CURDIR)/outputs/server --host $(HOST) --port $(PORT)
 
 clean:        ## everything generated (runs, store, data); keeps .venv
 	rm -rf outputs

@@ -23,14 +23,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from mlflow.entities import Run, ViewType  # noqa: E402
+from mlflow.entities import Run  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
-from gaexp.tracking import sweeps_of  # noqa: E402
+from gaexp.tracking import PLAN_ROLE, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
 
 
 def column(key: str) -> str:
@@ -95,8 +95,35 @@ def training_runs(client: MlflowClient, experiment_name: str) -> dict[str, Run]:
     """The training runs of an experiment by run name, whatever their status (none if there is no such
     experiment)."""
     experiment = client.get_experiment_by_name(experiment_name)
-    runs = client.search_runs([experiment.experiment_id], max_results=50_000) if experiment else []
+    runs = search_all(client, [experiment.experiment_id]) if experiment else []
     return {r.info.run_name: r for r in runs if is_training_run(r)}
+
+
+def is_grid_run(run: Run) -> bool:
+    return is_training_run(run) and "optuna.study" not in run.data.tags  # trials of a search are not grid cells
+
+
+def latest_sweep(client: MlflowClient, experiment_ids: list[str]) -> str | None:
+    """The sweep of the newest grid run, or a sweep started after that run that only resumed over runs
+    (it ran none: its plan run is newer); None: no grid run."""
+    newest = newest_run(client, experiment_ids, "", is_grid_run)  # unfiltered: a tag filter joins every run's tag
+    if newest is None:
+        return None
+    sweep = newest.data.tags.get("sweep_id", "")
+    later = search_all(client, experiment_ids, f"tags.`gaexp.role` = '{PLAN_ROLE}' and "
+                                               f"attributes.start_time > {newest.info.start_time}")
+    for resume in sorted({p.data.tags.get("sweep_id", "") for p in later}, reverse=True):
+        if resume > sweep and any(is_grid_run(r) for r in runs_in_sweep(client, experiment_ids, resume)):
+            return resume
+    return sweep
+
+
+def store_filter(dataset: str | None, model: str | None) -> str:
+    """The search filter of a dataset and a model (None: any). A value that runs logged before its tag
+    implicitly have (ADDED_DEFAULTS) cannot be searched for: those runs lack the tag; `select` keeps them."""
+    wanted = {DATASET: dataset, MODEL: model}
+    return " and ".join(f"tags.{part} = '{value}'" for part, value in wanted.items()
+                        if value is not None and value != str(ADDED_DEFAULTS[PARTS[part]]))
 
 
 def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", dataset: str | None = None,
@@ -104,6 +131,9 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
     """Runs and their metric histories; `sweep` is 'latest', 'all', a sweep id or several, comma-separated;
     `dataset` and `model` keep that dataset's or model's runs only (`select`).
 
+    The store finds the runs (by sweep, dataset and model: search filters, every page) and each run
+    carries its curves (tracking.curves_of), so the cost follows the runs asked for, not the store; a run
+    logged before gaexp wrote its curves has its histories read, two calls for it.
     FINISHED runs are the data; FAILED, KILLED and still RUNNING ones are listed
     in `excluded`, never averaged in.
     """
@@ -114,22 +144,20 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
     if experiment is None:
         names = [e.name for e in client.search_experiments()]
         raise AnalysisError(f"no experiment {experiment_name!r} in {client.tracking_uri}; there: {names}")
-    runs = [r for r in client.search_runs([experiment.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
-                                          max_results=50_000)
-            if is_training_run(r) and "optuna.study" not in r.data.tags]  # trials of a search are not grid cells
-    if not runs:
+    ids = [experiment.experiment_id]
+    if sweep == "latest":
+        sweep = latest_sweep(client, ids) or "latest"
+    runs = grid_runs(client, ids, sweep, store_filter(dataset, model))
+    if not runs and store_filter(dataset, model):  # none of that dataset or model: select says what there is
+        runs = grid_runs(client, ids, sweep)
+    if not runs and sweep in ("latest", "all"):
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
-    sweeps = {s for r in runs for s in sweeps_of(r)}
-    if sweep == "latest":  # the sweep of the newest run, or a later (timestamp-named) resume that ran nothing
-        newest = max(runs, key=lambda r: r.info.start_time).data.tags.get("sweep_id", "")
-        resumes_only = sweeps - {r.data.tags.get("sweep_id", "") for r in runs}
-        sweep = max([newest, *(s for s in resumes_only if s > newest)])
-    wanted = set(sweep.split(","))  # several sweep ids: one grid run in parts
-    if sweep != "all" and not wanted <= sweeps:
-        unknown = ",".join(sorted(wanted - sweeps))
-        raise AnalysisError(f"no sweep {unknown!r} in experiment {experiment_name!r}; there: {sorted(sweeps)}")
-    if sweep != "all":
-        runs = [r for r in runs if wanted & set(sweeps_of(r))]
+    unknown = [s for s in sweep.split(",") if not any(s in sweeps_of(r) for r in runs)] if sweep != "all" else []
+    if unknown:
+        there = sorted({s for r in search_all(client, ids, "tags.norm != ''") if is_grid_run(r) for s in sweeps_of(r)})
+        if not there:
+            raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
+        raise AnalysisError(f"no sweep {','.join(sorted(unknown))!r} in experiment {experiment_name!r}; there: {there}")
 
     rows, excluded, run_rows = [], [], []
     for run in runs:
@@ -145,15 +173,33 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
                    for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
         run_rows.append({**{k: base[k] for k in [*TIDY[:7], *PARTS]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
-        histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-                     for key in ("valid_acc", "train_loss")}
-        for step in sorted(histories["valid_acc"]):
-            rows.append({**base, "step": step, "valid_acc": histories["valid_acc"][step],
-                         "train_loss": histories["train_loss"].get(step, np.nan)})
+        for step, acc, loss in curves(client, run):
+            rows.append({**base, "step": step, "valid_acc": acc, "train_loss": loss})
     data = pd.DataFrame(rows, columns=TIDY)
     collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
                           pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS]))
     return select(collected, dataset=dataset, model=model)
+
+
+def grid_runs(client: MlflowClient, experiment_ids: list[str], sweep: str, filter_string: str = "") -> list[Run]:
+    """The grid runs of `sweep` ('all', or sweep ids, comma-separated) that `filter_string` matches."""
+    if sweep == "all":
+        return [r for r in search_all(client, experiment_ids, filter_string) if is_grid_run(r)]
+    found = {r.info.run_id: r for s in sweep.split(",") for r in runs_in_sweep(client, experiment_ids, s, filter_string)}
+    return sorted((r for r in found.values() if is_grid_run(r)), key=lambda r: (-r.info.start_time, r.info.run_id))
+
+
+def curves(client: MlflowClient, run: Run) -> list[tuple[int, float, float]]:
+    """(step, valid_acc, train_loss) of each evaluation, by step: from the run's curves tags, or for a run
+    logged before them, from its histories (train_loss nan where an evaluation logged none)."""
+    found = curves_of(run)
+    if found is not None:
+        points = {step: (acc, loss) for step, acc, loss in found}
+    else:
+        histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+                     for key in ("valid_acc", "train_loss")}
+        points = {step: (acc, histories["train_loss"].get(step, np.nan)) for step, acc in histories["valid_acc"].items()}
+    return [(step, *points[step]) for step in sorted(points)]
 
 
 def values_in(collected: Collected, part: str) -> list[str]:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 import optuna
 from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
 
-from gaexp import analysis, datasets, norms, targets, tracking, tuning
+from gaexp import analysis, datasets, norms, redact, targets, tracking, tuning
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
 from gaexp.config import (CONFIG_DIR, AnalysisConfig, Config, RegimeConfig, composition_problem, hydra_overrides,
@@ -102,6 +102,7 @@ class PrepareCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         HydraConfig.instance().set_config(config)  # as in a job: ${hydra:...} (conf/launch/) resolves
+        redact.mask_logs()  # a storage URL's password never reaches the terminal or the sweep's log
         try:
             prepare(config)
         except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
@@ -297,10 +298,10 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
                 tracking.log_content_inputs(client, run_id, dataclasses.asdict(meta), resolved["data"],
                                             len(train_data), len(valid_data))
             with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+                (Path(tmp) / "config.yaml").write_text(redact.mask(OmegaConf.to_yaml(resolved)))
                 client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
             if hydra_dir is not None and hydra_dir.is_dir():
-                client.log_artifacts(run_id, str(hydra_dir), "hydra")
+                tracking.log_masked_artifacts(client, run_id, hydra_dir, "hydra")
             hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
                      *norms.hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *trial,
                      Progress(c.train.num_iterations, c.run_name, bar)]
@@ -382,6 +383,7 @@ def quiet_console(quiet: bool, level: int = logging.WARNING) -> Iterator[None]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
+    redact.mask_logs()  # the job's console and log file
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
     if hc.mode != RunMode.MULTIRUN:

@@ -2,7 +2,7 @@
 
 `python -m gaexp.compare STORE_A STORE_B` pairs the training runs by name and compares their
 `valid_acc` and `train_loss` histories, every metric but time and memory, and every tag but
-those naming the sweep, host, process and heartbeat (a tag added since, such as `model`, matches a run without it
+those naming the sweep, host, process and heartbeat, and the curves tags that repeat the histories (a tag added since, such as `model`, matches a run without it
 when it has the value that run implicitly had). It prints each difference and exits 1 if any.
 Params are listed apart: a change may add config keys without changing a result.
 """
@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp.analysis import PARTS, training_runs
 from gaexp.config import ADDED_DEFAULTS
+from gaexp.tracking import CURVES
 
 MEASURED = {"wall_seconds", "samples_per_sec", "peak_rss_mb", "cuda_max_mem_mb", "batched_peak_rss_mb",
             "batched_cuda_max_mem_mb"}  # vary run to run
@@ -50,7 +51,7 @@ def differences(client_a: MlflowClient, client_b: MlflowClient, experiment: str 
                 found.append(f"{name}: {metric} history {history[0]} != {history[1]}")
         for kind, keep in (("metric", lambda r: {k: v for k, v in r.data.metrics.items() if k not in MEASURED}),
                            ("tag", lambda r: {k: v for k, v in r.data.tags.items()
-                                              if k not in PLACE_TAGS and not k.startswith("mlflow.")})):
+                                              if k not in PLACE_TAGS and not k.startswith(("mlflow.", CURVES))})):
             left, right = keep(a), keep(b)
             found += [f"{name}: {kind} {k}: {left.get(k)!r} != {right.get(k)!r}"
                       for k in sorted(set(left) | set(right))

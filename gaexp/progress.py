@@ -30,7 +30,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tqdm import tqdm
 
-from gaexp.tracking import HEARTBEAT, HOST, SWEEPS, sweeps_of
+from gaexp.redact import mask, reconnectable
+from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, runs_in_sweep, search_all
 from hydra_plugins.gaexp_optuna_sweeper import _progress as trials
 from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
 from hydra_plugins.gaexp_optuna_sweeper._progress import duration
@@ -45,7 +46,7 @@ MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S = 2.6e-3, 0.7, 1.8e-3, 2.5e-4
 CELL_S, GAP_S, GRAPH_S, TRAIN_GRAPH = 1.0, 1.0, 9.0, 1.5
 VALID_IMAGES = 10_000  # the test set; data.holdout=N evaluates N held-out images instead
 log = logging.getLogger(__name__)
-ROLE = "sweep"  # gaexp.role of the run that records a sweep's plan
+ROLE = PLAN_ROLE  # gaexp.role of the run that records a sweep's plan
 COSTS = "gaexp.costs"  # a plan run's tag: "expected:graphs" of each cell in launch order (left out past MAX_COSTS)
 MAX_COSTS = 8000  # characters: MLflow's limit on a tag's value
 DONE = ("FINISHED", "FAILED", "KILLED")
@@ -217,7 +218,7 @@ def snapshot(plan: Plan, cells: Sequence[Cell], failed_unrecorded: int = 0, now:
             waiting_s = max(0.0, total_s - plan.graphs * GRAPH_S - sum(c.expected_s for c in cells)
                             - failed_unrecorded * mean_s)
             real = rates.per * waiting_s + rates.graph_s * graphs_left + each * counts["waiting"]
-            waiting = [real / counts["waiting"]] * counts["waiting"]
+            waiting = [real / counts["waiting"]] * counts["waiting"] if counts["waiting"] else []
         eta = finish(running_left, waiting, at_once)
     elapsed = None if plan.started is None else max(0.0, (plan.ended or now) - plan.started)
     return Snapshot(counts, total, done_s, total_s, elapsed, eta, 1 / rates.per, rates.graph_s)
@@ -239,8 +240,7 @@ def summary_line(s: Snapshot, work: bool = True) -> str:
 
 def sweep_runs(client: MlflowClient, experiment_id: str, sweep_id: str) -> tuple[Run | None, list[Run]]:
     """The sweep's plan run (None if not recorded) and its cells' runs (trained or skipped by it)."""
-    runs = client.search_runs([experiment_id], f"tags.`{SWEEPS}` LIKE '%{sweep_id}%'", max_results=50_000)
-    cells = [r for r in runs if sweep_id in sweeps_of(r) and "norm" in r.data.tags]
+    cells = [r for r in runs_in_sweep(client, [experiment_id], sweep_id) if "norm" in r.data.tags]
     plans = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{ROLE}' and tags.sweep_id = '{sweep_id}'",
                                max_results=1)
     return (plans[0] if plans else None), cells
@@ -397,18 +397,21 @@ def sweeps_to_show(client: MlflowClient, experiment_id: str, wanted: str) -> lis
     """`wanted`: 'active' (sweeps whose plan run is RUNNING, else the newest sweep), 'all', or ids, comma-separated."""
     if wanted not in ("active", "all"):
         return wanted.split(",")
-    plans = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{ROLE}'", order_by=["attributes.start_time DESC"],
-                               max_results=50_000)
-    if wanted == "all" or not plans:
-        runs = client.search_runs([experiment_id], "tags.norm != ''", order_by=["attributes.start_time DESC"],
-                                  max_results=50_000)
-        ids = list(dict.fromkeys([p.data.tags["sweep_id"] for p in plans] + [r.data.tags.get("sweep_id", "") for r in runs]))
-        return [i for i in ids if i] if wanted == "all" else ids[:1]
-    active = [p.data.tags["sweep_id"] for p in plans if p.info.status == "RUNNING"]
-    searching = client.search_runs([experiment_id], "attributes.status = 'RUNNING' and tags.`optuna.study` != ''",
-                                   max_results=50_000)  # an Optuna sweep records no plan run: its trials running
-    active += [r.data.tags["sweep_id"] for r in searching if r.data.tags.get("sweep_id") not in active]
-    return list(dict.fromkeys(active)) or [plans[0].data.tags["sweep_id"]]
+    plan_filter = f"tags.`gaexp.role` = '{ROLE}'"
+    if wanted == "all":
+        plans = search_all(client, [experiment_id], plan_filter, ["attributes.start_time DESC"])
+        runs = search_all(client, [experiment_id], "tags.norm != ''", ["attributes.start_time DESC"])
+        ids = dict.fromkeys([p.data.tags["sweep_id"] for p in plans] + [r.data.tags.get("sweep_id", "") for r in runs])
+        return [i for i in ids if i]
+    active = [p.data.tags["sweep_id"] for p in search_all(client, [experiment_id], plan_filter + " and "
+                                                             "attributes.status = 'RUNNING'")]
+    searching = search_all(client, [experiment_id], "attributes.status = 'RUNNING' and tags.`optuna.study` != ''")
+    active += [r.data.tags["sweep_id"] for r in searching]  # an Optuna sweep records no plan run: its trials running
+    if active:
+        return list(dict.fromkeys(active))
+    newest = (newest_run(client, [experiment_id], plan_filter)
+              or newest_run(client, [experiment_id], "", lambda run: "norm" in run.data.tags))
+    return [newest.data.tags.get("sweep_id", "")] if newest is not None else []
 
 
 def search_lines(runs: Sequence[Run], sweep_id: str, now: float) -> list[str] | None:
@@ -418,11 +421,11 @@ def search_lines(runs: Sequence[Run], sweep_id: str, now: float) -> list[str] | 
     if not trial_runs:
         return None
     run = trial_runs[0]
+    storage = run.data.params["optuna.storage"]  # as recorded: a password masked, for the driver to find
     try:
-        tally = trials.sweep_tally(open_storage(run.data.params["optuna.storage"]), run.data.tags["optuna.study"],
-                                   sweep_id, now)
+        tally = trials.sweep_tally(open_storage(reconnectable(storage)), run.data.tags["optuna.study"], sweep_id, now)
     except Exception as e:  # noqa: BLE001 - a storage gone or unreachable: the runs still tell what they can
-        return [f"  (its Optuna storage {run.data.params['optuna.storage']} was not read: {type(e).__name__}: {e})"]
+        return [f"  (its Optuna storage {storage} was not read: {type(e).__name__}: {mask(str(e))})"]
     if tally is None:
         return ["  (a sweep made before gaexp recorded its plan in the study: its runs so far)"]
     lines = ["  " + trials.summary_line(tally)]

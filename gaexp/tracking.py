@@ -7,11 +7,13 @@ Whether a run's process or SLURM job still runs is asked of gaexp/liveness.py.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
 import os
 import socket
+import sqlite3
 import tempfile
 import time
 import traceback
@@ -19,15 +21,16 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
+from mlflow.entities import Metric, Param, Run, RunStatus, RunTag, ViewType
 from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, LoggedModelStatus
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 
 from gaexp import liveness
+from gaexp.redact import mask
 from gaexp.batches import HOLDOUT_SEED
 from gaexp.config import protocol_part
 from gaexp.hooks import EvalPoint, Hook, Stopped
@@ -36,9 +39,13 @@ if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logge
     import torch
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+MAX_TAG_LENGTH = 8000  # and on a tag value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
 PROCESS_START = "gaexp.process_start"  # with the pid in HOST: the one process that ran the run (liveness.process_start)
 SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK, what scancel and sacct take)
+PAGE_SIZE = 1_000  # runs per search page (search_all follows the pages to the end)
+CURVES = "gaexp.curves"  # tag: how many parts `gaexp.curves.<i>` hold the run's evaluations as JSON (curves_tags)
+PLAN_ROLE = "sweep"  # tag gaexp.role of the run that records a sweep's plan (gaexp.progress)
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
 # MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI overview (traces)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
@@ -69,7 +76,9 @@ def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: st
     if tracking_uri.startswith("sqlite:///"):
         Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(tracking_uri)
-    experiment = client.get_experiment_by_name(experiment_name)
+    experiment = client.get_experiment_by_name(experiment_name)  # a fresh store: its tables made here
+    if tracking_uri.startswith("sqlite:///"):
+        index_tags(Path(tracking_uri.removeprefix("sqlite:///")))
     if experiment is None:
         location = None if is_remote(tracking_uri) or not artifact_location else Path(artifact_location).resolve().as_uri()
         try:
@@ -84,6 +93,22 @@ def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: st
     if experiment.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # also stores made before the tag
         client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
     return experiment.experiment_id
+
+
+TAGS_INDEX = "CREATE INDEX IF NOT EXISTS gaexp_tags_key_value ON tags (key, value, run_uuid)"
+
+
+def index_tags(db: Path) -> None:
+    """The index that lets a SQLite store find runs by a tag's value (a sweep's runs, a cell's finished run
+    of the same protocol) without reading every run's tags: MLflow indexes tags by key and run only, so
+    each such search read one tag of every run (0.2 s a search at 100,000 runs, 3 ms with it). Made once
+    (seconds on a large store); MLflow ignores it. A server on another database: docs/cluster.md."""
+    con = sqlite3.connect(db, timeout=60)
+    try:
+        con.execute(TAGS_INDEX)
+        con.commit()
+    finally:
+        con.close()
 
 
 def experiment_id(client: MlflowClient, experiment_name: str) -> str:
@@ -111,6 +136,82 @@ def protocol_key(resolved: Mapping[str, Any]) -> str:
     """A stable digest of everything that can change a run's result: the config without its runtime keys."""
     kept = protocol_part(resolved)
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def search_all(client: MlflowClient, experiment_ids: list[str], filter_string: str = "",
+               order_by: list[str] | None = None, run_view_type: int = ViewType.ACTIVE_ONLY) -> list[Run]:
+    """Every run the search matches: MLflow returns a page at a time (`PAGE_SIZE` runs); this follows its
+    page tokens to the end, so no store is too large to be read whole. A run that moved between pages while
+    they were read (a run started meanwhile shifts the order) is kept once."""
+    runs: dict[str, Run] = {}
+    token = None
+    with bulk_read():
+        while True:
+            page = client.search_runs(experiment_ids, filter_string, run_view_type, PAGE_SIZE, order_by, token)
+            runs.update((r.info.run_id, r) for r in page)
+            token = page.token
+            if not token:
+                return list(runs.values())
+
+
+@contextmanager
+def bulk_read() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a read builds many objects, none of them garbage:
+    a search of thousands of runs allocates hundreds of thousands (a run's params and tags), and the
+    collector's passes over them took 2 to 3 times the read itself (6,000 runs: 17-19 s, 6-7 s paused).
+    Restored after, as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def newest_run(client: MlflowClient, experiment_ids: list[str], filter_string: str = "",
+               wanted: Callable[[Run], bool] = lambda run: True) -> Run | None:
+    """The newest run (by start time) of the search that `wanted` keeps, read a page at a time until found."""
+    token = None
+    while True:  # small pages: the newest runs are what is wanted, usually in the first
+        page = client.search_runs(experiment_ids, filter_string, ViewType.ACTIVE_ONLY, min(10, PAGE_SIZE),
+                                  ["attributes.start_time DESC"], token)
+        found = next((r for r in page if wanted(r)), None)
+        token = page.token
+        if found is not None or not token:
+            return found
+
+
+def curves_tags(history: Sequence[EvalPoint]) -> list[RunTag]:
+    """The run's evaluations (step, valid_acc, train_loss) as tags, so one search returns a sweep's curves
+    whole: JSON in parts of at most MLflow's 8,000 characters a tag value (`CURVES`.<i>), and `CURVES`
+    saying how many. The same floats the histories hold (JSON writes a float's shortest exact form)."""
+    text = json.dumps([[p.step, p.valid_acc, p.train_loss] for p in history], separators=(",", ":"))
+    parts = [text[i:i + MAX_TAG_LENGTH] for i in range(0, len(text), MAX_TAG_LENGTH)]
+    return [RunTag(CURVES, str(len(parts))), *(RunTag(f"{CURVES}.{i}", part) for i, part in enumerate(parts))]
+
+
+def curves_of(run: Run) -> list[tuple[int, float, float]] | None:
+    """The evaluations `curves_tags` recorded in the run, or None if it recorded none (a run logged before
+    gaexp wrote them, or one that did not finish): then its metric histories are read."""
+    tags = run.data.tags
+    if not tags.get(CURVES, "").isdigit():
+        return None
+    parts = [tags.get(f"{CURVES}.{i}") for i in range(int(tags[CURVES]))]
+    if any(part is None for part in parts):
+        return None
+    return [(int(step), float(acc), float(loss)) for step, acc, loss in json.loads("".join(parts))]
+
+
+def runs_in_sweep(client: MlflowClient, experiment_ids: list[str], sweep_id: str, filter_string: str = "") -> list[Run]:
+    """The runs a sweep ran or resumed over (`sweeps_of`), and that `filter_string` also matches: found by the
+    store (tag sweep_id; tag SWEEPS for the runs it resumed over, which add_to_sweep appended it to),
+    whatever else the store holds."""
+    also = f" and {filter_string}" if filter_string else ""
+    ran = f"tags.sweep_id = '{sweep_id}'"  # equality: an index lookup (index_tags)
+    resumed = f"tags.`{SWEEPS}` LIKE '%,{sweep_id}%'"  # after a comma: only the runs it resumed over match
+    found = {r.info.run_id: r for query in (ran, resumed) for r in search_all(client, experiment_ids, query + also)}
+    return [r for r in found.values() if sweep_id in sweeps_of(r)]
 
 
 def find_finished(client: MlflowClient, experiment_id: str, key: str) -> Run | None:
@@ -142,7 +243,7 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
     """
     now = time.time() if now is None else now
     marked = []
-    for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=50_000):
+    for run in search_all(client, [experiment_id], "attributes.status = 'RUNNING'"):
         tags = run.data.tags
         host, _, pid = tags.get(HOST, ":").rpartition(":")
         beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
@@ -173,7 +274,7 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
     if job := liveness.slurm_job():
         tags[SLURM_JOB] = job
     run_id = client.create_run(experiment_id, run_name=run_name,
-                               tags={k: str(v) for k, v in tags.items()}).info.run_id
+                               tags={k: mask(str(v)) for k, v in tags.items()}).info.run_id
     try:
         yield run_id
     except KeyboardInterrupt:
@@ -192,8 +293,24 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
+def log_masked_artifacts(client: MlflowClient, run_id: str, folder: Path, artifact_path: str | None = None) -> None:
+    """`folder`'s files as the run's artifacts, each text file with its credentials masked (redact.mask):
+    Hydra's config.yaml, hydra.yaml and overrides.yaml hold the config as given."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in folder.rglob("*"):
+            if not path.is_file():
+                continue
+            target = Path(tmp, path.relative_to(folder))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                target.write_text(mask(path.read_text()))
+            except UnicodeDecodeError:
+                target.write_bytes(path.read_bytes())
+        client.log_artifacts(run_id, tmp, artifact_path)
+
+
 def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> None:
-    params = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(flatten(config).items())]
+    params = [Param(k, mask(str(v))[:MAX_PARAM_LENGTH]) for k, v in sorted(flatten(config).items())]
     for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
         client.log_batch(run_id, params=params[i:i + 100])
 
@@ -228,7 +345,8 @@ def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wal
         "samples_per_sec": last.samples_per_sec,
         **(extra or {}),
     }
-    client.log_batch(run_id, metrics=[Metric(k, v, now, last.step) for k, v in values.items()])
+    client.log_batch(run_id, metrics=[Metric(k, v, now, last.step) for k, v in values.items()],
+                     tags=curves_tags(history))
 
 
 # --- what a run used and made: its datasets (the UI's Dataset column) and its model (the Models column) ---

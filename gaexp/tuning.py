@@ -27,6 +27,8 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from gaexp import tracking  # noqa: E402
+from gaexp.redact import mask  # noqa: E402
 from gaexp.config import AnalysisConfig, OptunaTrialConfig  # noqa: E402
 from gaexp.hooks import EvalPoint, Hook, Stopped  # noqa: E402
 
@@ -102,7 +104,7 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path, desi
         found = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}' and tags.`optuna.study` = '{name}'")
         parent = found[0].info.run_id if found else client.create_run(
             experiment_id, run_name=f"study-{name}",
-            tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": summary.storage}).info.run_id
+            tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": mask(summary.storage)}).info.run_id
         trials = len(study.trials)
         client.set_tag(parent, "optuna.states", ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
         client.set_tag(parent, "objective", describe_objective(design))
@@ -115,7 +117,7 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path, desi
                 for path in plots(study, Path(tmp)):
                     client.log_artifact(parent, str(path))
         states = {str(t.number): t.state.name for t in study.trials}
-        runs = client.search_runs([experiment_id], f"tags.`optuna.study` = '{name}'", max_results=50_000)
+        runs = tracking.search_all(client, [experiment_id], f"tags.`optuna.study` = '{name}'")
         parents = trial_runs(client, experiment_id, name, study, runs, parent)
         for run in runs:
             if run.data.tags.get("gaexp.role") in (STUDY_ROLE, TRIAL_ROLE):
@@ -194,14 +196,14 @@ def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, see
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ValueError(f"no experiment {experiment!r} in {client.tracking_uri}")
-    parents = client.search_runs([found.experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}'", max_results=50_000)
+    parents = tracking.search_all(client, [found.experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}'")
     commands = []
     for parent in sorted(parents, key=lambda r: r.data.tags["optuna.study"]):
         name = parent.data.tags["optuna.study"]
         if not (name == study_prefix or name.startswith(f"{study_prefix}[")) or "best_trial" not in parent.data.metrics:
             continue
         number = int(parent.data.metrics["best_trial"])
-        runs = [r for r in client.search_runs([found.experiment_id], f"tags.`optuna.study` = '{name}' and "
+        runs = [r for r in tracking.search_all(client, [found.experiment_id], f"tags.`optuna.study` = '{name}' and "
                                               f"tags.`optuna.trial` = '{number}' and attributes.status = 'FINISHED'")
                 if r.data.tags.get("gaexp.role") != TRIAL_ROLE]
         if not runs:

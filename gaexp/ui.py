@@ -58,7 +58,7 @@ def tag_experiments(uri: str) -> list[tuple[str, str, int]]:
     client = MlflowClient(uri)
     found = []
     for experiment in client.search_experiments(view_type=ViewType.ACTIVE_ONLY):
-        runs = len(client.search_runs([experiment.experiment_id], max_results=50_000))
+        runs = len(tracking.search_all(client, [experiment.experiment_id]))  # every page: the count is exact
         if runs:
             tracking.prepare_store(uri, experiment.name, None)  # finds it, adds the tag if missing
             found.append((experiment.experiment_id, experiment.name, runs))

@@ -202,11 +202,12 @@ def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: floa
 
 
 @contextmanager
-def serving(argv: list[str], url: str, log_path: Path, what: str = "mlflow server") -> Iterator[subprocess.Popen]:
-    """Run `argv` in its own process group (output to `log_path`) until `url`/health answers; stop the whole
-    group however the caller ends."""
+def serving(argv: list[str], url: str, log_path: Path, what: str = "mlflow server",
+            env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """Run `argv` in its own process group (output to `log_path`; environment `env`, default this one's)
+    until `url`/health answers; stop the whole group however the caller ends."""
     with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -267,10 +267,10 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["machine", "config", "configdocs", "targets", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
-          "tracking", "progress", "eta_replay", "tuning", "analysis",
+LAYERS = ["machine", "redact", "config", "configdocs", "targets", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
+          "tracking", "storegen", "progress", "eta_replay", "tuning", "analysis",
           "ui", "compare",
-          "bench", "check_cli", "zoo", "app", "__main__"]
+          "bench", "check_cli", "zoo", "server", "app", "__main__"]
 
 
 def _without_main_block(tree: ast.Module) -> ast.Module:

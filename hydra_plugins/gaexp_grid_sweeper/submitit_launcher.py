@@ -91,8 +91,8 @@ def mark_killed(config: DictConfig, job_id: str, reason: str) -> List[str]:
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
     marked = tracking.mark_stale_runs(client, experiment_id, config.mlflow.stale_after_s)
-    for run in client.search_runs([experiment_id],
-                                  f"attributes.status = 'RUNNING' and tags.`{tracking.SLURM_JOB}` = '{job_id}'"):
+    for run in tracking.search_all(client, [experiment_id],
+                                   f"attributes.status = 'RUNNING' and tags.`{tracking.SLURM_JOB}` = '{job_id}'"):
         client.set_tag(run.info.run_id, "gaexp.killed_reason", reason)
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         marked.append(f"{run.info.run_name} ({reason})")

@@ -1,0 +1,141 @@
+"""A tracking server for a team (`make server`, `python -m gaexp.server`): MLflow's server on a SQLite
+store, locked whenever the network can reach it.
+
+On the loopback (the default host) it is the plain `mlflow server`: only this machine can reach it. On
+any other address it starts MLflow's basic-auth app: every request needs a user and password (MLflow
+clients send MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), the admin's password comes from
+the environment (MLFLOW_AUTH_ADMIN_PASSWORD) or a file (--admin-password-file), never the command
+line, and other users get `--default-permission` on what they did not create. docs/cluster.md says
+how to add users and put TLS in front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from mlflow.tracking import MlflowClient
+
+from gaexp import tracking
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PERMISSIONS = ["READ", "USE", "EDIT", "MANAGE", "NO_PERMISSIONS"]
+MIN_PASSWORD = 12  # MLflow's own minimum for a basic-auth password
+
+
+def needs_auth(host: str, auth: str) -> bool:
+    """`auth` auto: locked unless `host` is the loopback; yes: always; no: refused beyond the loopback."""
+    if auth == "no" and host not in LOOPBACK:
+        raise ValueError(f"--auth no with --host {host}: a server other machines can reach always starts with "
+                         f"authentication; valid: --auth auto or yes, or a loopback host ({', '.join(LOOPBACK)})")
+    return auth == "yes" or (auth == "auto" and host not in LOOPBACK)
+
+
+def admin_password(password_file: Path | None, env: dict[str, str]) -> str:
+    if password_file is not None:
+        try:
+            password = password_file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--admin-password-file {password_file}: {e.strerror}") from None
+    else:
+        password = env.get("MLFLOW_AUTH_ADMIN_PASSWORD", "")
+    if len(password) < MIN_PASSWORD:
+        where = f"the file {password_file}" if password_file is not None else "MLFLOW_AUTH_ADMIN_PASSWORD"
+        raise ValueError(f"a locked server needs the admin's password, {MIN_PASSWORD} characters or more, in "
+                         f"{where} ({'empty' if not password else f'{len(password)} characters'}); set "
+                         "MLFLOW_AUTH_ADMIN_PASSWORD or give --admin-password-file FILE")
+    return password
+
+
+def auth_ini(root: Path, admin: str, permission: str) -> Path:
+    """The basic-auth app's settings (its users' database in `root`); the password is not written there."""
+    path = root / "basic_auth.ini"
+    path.write_text("[mlflow]\n"
+                    f"default_permission = {permission}\n"
+                    f"database_uri = sqlite:///{root.resolve() / 'basic_auth.db'}\n"
+                    f"admin_username = {admin}\n"
+                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    return path
+
+
+def flask_secret(root: Path) -> str:
+    """The key MLflow's auth app signs its forms with, kept in `root` (owner-only) across restarts."""
+    path = root / "flask_secret"
+    if not path.is_file():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+def command(root: Path, host: str, port: int, auth: bool, workers: int) -> list[str]:
+    mlflow = Path(sys.executable).parent / "mlflow"
+    argv = [str(mlflow)] if mlflow.is_file() else [sys.executable, "-m", "mlflow"]
+    argv += ["server", "--backend-store-uri", f"sqlite:///{root.resolve() / 'mlflow.db'}",
+             "--artifacts-destination", str(root.resolve() / "artifacts"), "--host", host, "--port", str(port),
+             "--workers", str(workers)]
+    return argv + (["--app-name", "basic-auth"] if auth else [])
+
+
+def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The server's command line and environment; ValueError: one line naming the bad setting."""
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}; valid: 1 to 65535")
+    if args.default_permission not in PERMISSIONS:
+        raise ValueError(f"--default-permission {args.default_permission}; valid: {', '.join(PERMISSIONS)}")
+    locked = needs_auth(args.host, args.auth)
+    env = {**env}
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # MLflow's GenAI job runners: 8 processes gaexp needs none of
+    if locked:
+        env["MLFLOW_AUTH_ADMIN_PASSWORD"] = admin_password(args.admin_password_file, env)
+        try:
+            import flask_wtf  # noqa: F401 - MLflow's auth app needs it (the mlflow[auth] extra)
+        except ImportError:
+            raise ValueError("MLflow's auth app needs Flask-WTF: pip install 'mlflow[auth]'") from None
+    args.root.mkdir(parents=True, exist_ok=True)
+    if locked:
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_ini(args.root, args.admin_user, args.default_permission))
+        env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", flask_secret(args.root))
+    return command(args.root, args.host, args.port, locked, args.workers), env
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m gaexp.server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on; beyond the loopback the "
+                        "server is locked (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=5000, help="(default: %(default)s)")
+    parser.add_argument("--root", type=Path, default=Path("outputs/server"),
+                        help="folder of the store, its artifacts and the users (default: %(default)s)")
+    parser.add_argument("--auth", choices=["auto", "yes", "no"], default="auto",
+                        help="auto: locked unless on the loopback; yes: always (default: %(default)s)")
+    parser.add_argument("--admin-user", default="admin", help="the admin's user name (default: %(default)s)")
+    parser.add_argument("--admin-password-file", type=Path, default=None,
+                        help="a file holding the admin's password (default: MLFLOW_AUTH_ADMIN_PASSWORD)")
+    parser.add_argument("--default-permission", default="EDIT",
+                        help="what a user may do with experiments others created: "
+                             f"{', '.join(PERMISSIONS)} (default: %(default)s; deleting needs MANAGE)")
+    parser.add_argument("--workers", type=int, default=2, help="server processes (default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        argv_, env = prepare(args, dict(os.environ))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    db = args.root.resolve() / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()  # the store's tables, so that its tags get their index
+    tracking.index_tags(db)
+    locked = "--app-name" in argv_
+    print(f"MLflow server on http://{args.host}:{args.port}, store {args.root.resolve() / 'mlflow.db'}"
+          + (f"; locked: users and passwords (admin: {args.admin_user})" if locked else "; open: loopback only"),
+          flush=True)
+    os.execve(argv_[0], argv_, env)
+
+
+if __name__ == "__main__":
+    main()
