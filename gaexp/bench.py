@@ -122,24 +122,28 @@ def naive_shape(source: DataConfig) -> tuple[int, int]:
     return source.shape[0], source.num_classes
 
 
-def naive_training(source: DataConfig, model_name: str, norm: str, b: int, k: int, samples: int) -> tuple[float, float]:
-    """Samples/s of the usual loop: DataLoader + ToTensor, NCHW, `.item()` every micro-step."""
+def naive_training(source: DataConfig, model_name: str, norm: str, b: int, k: int, samples: int,
+                   device: torch.device = torch.device("cpu")) -> tuple[float, float]:
+    """Samples/s of the usual loop: DataLoader + ToTensor, NCHW, each batch moved to `device`, `.item()`
+    every micro-step."""
     loader = DataLoader(torchvision_class(source)(source.root, train=True, transform=ToTensor()), batch_size=b,
                         shuffle=True)
     torch.manual_seed(0)
-    model = build(model_name, norm, *naive_shape(source))
+    model = build(model_name, norm, *naive_shape(source)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     running, micro_steps = 0.0, samples // b
     tic = time.perf_counter()
     for i, (x, y) in enumerate(loader):
         if i == micro_steps:
             break
+        x, y = x.to(device), y.to(device)
         loss = F.cross_entropy(model(x), y) / k
         loss.backward()
         running += loss.item()
         if (i + 1) % k == 0:
             optimizer.step()
             optimizer.zero_grad()
+    sync(device)
     return micro_steps * b / (time.perf_counter() - tic), 0.0
 
 
