@@ -557,6 +557,12 @@ def format_ranking(ranking: pd.DataFrame, design: AnalysisConfig) -> str:
 
 def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     """Write tables, figures and the tidy data under `out`; return the files written."""
+    return export_tables(collected, summary, out) + export_plots(collected, summary, out)
+
+
+def export_tables(collected: Collected, summary: Summary, out: Path) -> list[Path]:
+    """The tables (table.md first) and the tidy data under `out`: what a reader waits for, in well under a
+    second; the files written."""
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "table.md", out / "table.csv", out / "cells.csv", out / "paired.csv", out / "runs.csv",
                out / "ranking.csv"]
@@ -575,6 +581,12 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     summary.paired.to_csv(written[3], index=False)
     collected.data.to_csv(written[4], index=False)
     summary.ranking.to_csv(written[5], index=False)
+    return written
+
+
+def export_plots(collected: Collected, summary: Summary, out: Path) -> list[Path]:
+    """The learning curves of valid_acc and train_loss, PNG and PDF (seconds: the report's slow part)."""
+    written = []
     for metric, stem in (("valid_acc", "curves"), ("train_loss", "train_loss")):
         fig = plot_curves(collected.data, metric, summary.design)
         for suffix in (".png", ".pdf"):
@@ -586,12 +598,17 @@ def export(collected: Collected, summary: Summary, out: Path) -> list[Path]:
 
 def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", design: AnalysisConfig | None = None,
            out: Path | None = None, outputs_root: Path = Path("outputs"),
-           dataset: str | None = None, model: str | None = None) -> tuple[Summary, Collected, list[Path]]:
+           dataset: str | None = None, model: str | None = None,
+           plots: bool = True) -> tuple[Summary, Collected, list[Path]]:
     """collect -> summarize -> export; the default folder is outputs/reports/<sweep>."""
     collected = collect(MlflowClient(tracking_uri), experiment_name, sweep, dataset, model)
     summary = summarize(collected.data, design or AnalysisConfig())
-    folder = out if out is not None else outputs_root / "reports" / (collected.sweep or "unnamed")
-    return summary, collected, export(collected, summary, folder)
+    folder = report_folder(collected, out, outputs_root)
+    return summary, collected, (export if plots else export_tables)(collected, summary, folder)
+
+
+def report_folder(collected: Collected, out: Path | None = None, outputs_root: Path = Path("outputs")) -> Path:
+    return out if out is not None else outputs_root / "reports" / (collected.sweep or "unnamed")
 
 
 def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design: AnalysisConfig,
@@ -643,6 +660,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--margin", type=float, default=None,
                         help="equivalence margin in accuracy points for the verdicts (default: the study's, 0.5)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/reports/<sweep>)")
+    parser.add_argument("--no-plots", dest="plots", action="store_false",
+                        help="the tables only, without the learning curves (PNG, PDF: seconds more)")
     args = parser.parse_args(argv)
     if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
         sys.exit(f"error: no MLflow store at {args.tracking_uri}")
@@ -653,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.margin is not None:
             design = dataclasses.replace(design, margin=args.margin)
         summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
-                                             dataset=args.dataset, model=args.model)
+                                             dataset=args.dataset, model=args.model, plots=False)
     except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
     models = values_in(collected, MODEL)
@@ -661,7 +680,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  {shown_model}"
           f"runs: {collected.data.run_id.nunique()} finished, "
           f"{len(collected.excluded)} excluded")
-    print(written[0].read_text())
+    print(written[0].read_text(), flush=True)  # the tables first: the plots take seconds more
+    if args.plots:
+        written += export_plots(collected, summary, report_folder(collected, args.out))
     print("written: " + ", ".join(str(p) for p in written))
 
 

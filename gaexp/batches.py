@@ -10,6 +10,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from gaexp.config import HOLDOUT_SEED
+
 PAD = 4  # crop_flip's zero padding on each side, as torchvision's RandomCrop(size, padding=4)
 
 
@@ -52,7 +54,6 @@ def to_input(images: torch.Tensor) -> torch.Tensor:
     return Split(images if images.dim() == 4 else images.unsqueeze(1), torch.empty(0)).inputs(slice(None))
 
 
-HOLDOUT_SEED = 0  # the one fixed permutation that picks held-out images, whatever the run's seed
 
 
 def holdout_indices(num: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gaexp.machine import device_type, usable_cores
 
+HOLDOUT_SEED = 0  # the one fixed permutation that picks held-out images, whatever the run's seed (gaexp.batches)
+
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repository's conf/ (editable install)
 AXES = ("norm", "regime", "seed")  # the study's grid axes: tags and table dimensions, not pooled over
 PRESET_GROUPS = ("launch", "experiment")  # groups that only set other keys: never part of a folder name

@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
+
+if TYPE_CHECKING:  # torch is imported where training runs: the readers of a store (report, status) never need it
+    import torch
 
 log = logging.getLogger("gaexp.train")
 
@@ -63,6 +66,8 @@ class DivergenceCheck(Hook):
     one on the CPU, where it costs nothing; a GPU would synchronize) and before every evaluation."""
 
     def __init__(self, every: int = 1) -> None:
+        import torch
+
         self.every, self.checked, self.losses = every, 0, torch.empty(0)
 
     def after_step(self, step: int, losses: torch.Tensor) -> None:
@@ -74,6 +79,8 @@ class DivergenceCheck(Hook):
         self.check(step)
 
     def check(self, step: int) -> None:
+        import torch
+
         bad = (~torch.isfinite(self.losses[self.checked:step])).nonzero()
         if len(bad):
             first = self.checked + int(bad[0])

@@ -12,6 +12,7 @@ how to add users and put TLS in front.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import secrets
 import sys
@@ -91,10 +92,8 @@ def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], d
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # MLflow's GenAI job runners: 8 processes gaexp needs none of
     if locked:
         env["MLFLOW_AUTH_ADMIN_PASSWORD"] = admin_password(args.admin_password_file, env)
-        try:
-            import flask_wtf  # noqa: F401 - MLflow's auth app needs it (the mlflow[auth] extra)
-        except ImportError:
-            raise ValueError("MLflow's auth app needs Flask-WTF: pip install 'mlflow[auth]'") from None
+        if importlib.util.find_spec("flask_wtf") is None:  # MLflow's auth app needs it (the mlflow[auth] extra)
+            raise ValueError("MLflow's auth app needs Flask-WTF: pip install 'mlflow[auth]'")
     args.root.mkdir(parents=True, exist_ok=True)
     if locked:
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_ini(args.root, args.admin_user, args.default_permission))

@@ -31,8 +31,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import liveness
 from gaexp.redact import mask
-from gaexp.batches import HOLDOUT_SEED
-from gaexp.config import protocol_part
+from gaexp.config import HOLDOUT_SEED, protocol_part
 from gaexp.hooks import EvalPoint, Hook, Stopped
 
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
