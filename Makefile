@@ -12,6 +12,8 @@ STUDY         ?= spec
 DATA          ?= mnist
 PORT          ?= 5000
 HOST          ?= 127.0.0.1
+AUTH          ?= auto
+ALLOWED_HOSTS ?=
 STORE         ?= sqlite:///$(CURDIR)/outputs/mlflow.db
 
 .PHONY: setup setup-test data sweep test test-fast docs ui server clean
@@ -55,7 +57,8 @@ ui:           ## browse every run: prints each experiment's link to its runs tab
 
 server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines, then locked:
               ## users and passwords, the admin's from MLFLOW_AUTH_ADMIN_PASSWORD (docs/cluster.md)
-	$(PYTHON) -m gaexp.server --root $(CURDIR)/outputs/server --host $(HOST) --port $(PORT)
+	$(PYTHON) -m gaexp.server --root $(CURDIR)/outputs/server --host $(HOST) --port $(PORT) --auth $(AUTH) \
+	    $(if $(ALLOWED_HOSTS),--allowed-hosts $(ALLOWED_HOSTS))
 
 clean:        ## everything generated (runs, store, data); keeps .venv
 	rm -rf outputs

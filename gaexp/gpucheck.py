@@ -107,7 +107,8 @@ def grid(plan: Plan, device: str, data_root: str, out: Path, n_jobs: int) -> flo
     return gaexp(out, ["-m", f"norm={plan.grid_norms}", f"regime={plan.grid_regimes}", f"seed={plan.seeds}",
                        f"train.num_iterations={plan.steps}", f"train.eval_period={max(1, plan.steps // 4)}",
                        "analysis.window_start=0", f"device={device}", "compile=off", "launch=joblib",
-                       f"hydra.launcher.n_jobs={n_jobs}", "threads=1", f"data.root={data_root}", "data.sources=[local]"])
+                       f"hydra.launcher.n_jobs={n_jobs}", "threads=1", f"data.root={data_root}", "data.sources=[local]",
+                       "~hydra.callbacks.report"])  # the grid's figures are read here, not its report
 
 
 def finals(store: Path) -> pd.DataFrame:

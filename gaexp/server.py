@@ -72,12 +72,13 @@ def flask_secret(root: Path) -> str:
     return path.read_text().strip()
 
 
-def command(root: Path, host: str, port: int, auth: bool, workers: int) -> list[str]:
+def command(root: Path, host: str, port: int, auth: bool, workers: int, allowed_hosts: str | None = None) -> list[str]:
     mlflow = Path(sys.executable).parent / "mlflow"
     argv = [str(mlflow)] if mlflow.is_file() else [sys.executable, "-m", "mlflow"]
     argv += ["server", "--backend-store-uri", f"sqlite:///{root.resolve() / 'mlflow.db'}",
              "--artifacts-destination", str(root.resolve() / "artifacts"), "--host", host, "--port", str(port),
              "--workers", str(workers)]
+    argv += ["--allowed-hosts", allowed_hosts] if allowed_hosts else []
     return argv + (["--app-name", "basic-auth"] if auth else [])
 
 
@@ -98,7 +99,7 @@ def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], d
     if locked:
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_ini(args.root, args.admin_user, args.default_permission))
         env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", flask_secret(args.root))
-    return command(args.root, args.host, args.port, locked, args.workers), env
+    return command(args.root, args.host, args.port, locked, args.workers, args.allowed_hosts), env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
                         help="what a user may do with experiments others created: "
                              f"{', '.join(PERMISSIONS)} (default: %(default)s; deleting needs MANAGE)")
     parser.add_argument("--workers", type=int, default=2, help="server processes (default: %(default)s)")
+    parser.add_argument("--allowed-hosts", default=None, help="the names clients reach the server by, as "
+                        "`mlflow server --allowed-hosts` takes them (default: MLflow's: localhost and private IPs)")
     return parser
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
-from gaexp import analysis, bench, check_cli, compare, datasets, eta_replay, progress, tuning, ui, zoo
+from gaexp import analysis, bench, check_cli, compare, datasets, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
 from gaexp.app import job_config
 from gaexp.config import composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
 
@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-tuned": tuning.main,
            "gaexp.data": datasets.main, "gaexp.bench": bench.main, "gaexp.zoo": zoo.main, "gaexp.compare": compare.main,
-           "gaexp.ui": ui.main, "gaexp.eta_replay": eta_replay.main}
+           "gaexp.ui": ui.main, "gaexp.eta_replay": eta_replay.main, "gaexp.storegen": storegen.main,
+           "gaexp.storebench": storebench.main, "gaexp.server": server.main, "gaexp.gpucheck": gpucheck.main}
 NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet)\b")  # (needs: internet, once: ...) too
 
 
