@@ -43,11 +43,18 @@ class Plan:
     seeds: str
     steps: int  # the small grid's and the rerun's optimizer steps
     shares: tuple[int, ...]  # cells at once
+    holdout: int = 0  # data.holdout: 0, evaluate on the test set; N, on N held-out training images
     margin: float = 0.5  # accuracy points: the report's default
+
+    @property
+    def runs(self) -> list[str]:
+        """The overrides every run of the check shares."""
+        return [f"train.num_iterations={self.steps}", f"train.eval_period={max(1, self.steps // 2)}",
+                f"data.holdout={self.holdout}", "compile=off", "data.sources=[local]"]
 
 
 FULL = Plan(bench.STUDY_NORMS, bench.STUDY_REGIMES, 2048, "bn,gn4", "bs1a16,bs4a4,bs16a1", "1,2,3", 300, (1, 4, 8))
-TINY = Plan(("bn", "gn4"), {"bs4a4": (4, 4), "bs16a1": (16, 1)}, 64, "bn,gn4", "bs4a4", "1,2", 4, (1, 2))
+TINY = Plan(("bn", "gn4"), {"bs4a4": (4, 4), "bs16a1": (16, 1)}, 64, "gn4", "bs4a4", "1,2", 4, (1, 2), holdout=256)
 
 
 @dataclass
@@ -91,8 +98,8 @@ def speeds(plan: Plan, device: torch.device, data_root: str, summary: Summary) -
 
 
 def determinism(plan: Plan, device: str, data_root: str, work: Path, summary: Summary) -> None:
-    cell = ["norm=bn", "regime=bs4a4", "seed=1", f"train.num_iterations={plan.steps}", f"train.eval_period={plan.steps // 2}",
-            f"device={device}", "deterministic=true", "compile=off", f"data.root={data_root}", "data.sources=[local]"]
+    cell = ["norm=bn", "regime=bs4a4", "seed=1", *plan.runs, f"device={device}", "deterministic=true",
+            f"data.root={data_root}"]
     for name in ("a", "b"):
         gaexp(work / f"rerun-{name}", cell)
     found, _ = compare.differences(MlflowClient(f"sqlite:///{work}/rerun-a/mlflow.db"),
@@ -105,10 +112,8 @@ def determinism(plan: Plan, device: str, data_root: str, work: Path, summary: Su
 
 def grid(plan: Plan, device: str, data_root: str, out: Path, n_jobs: int) -> float:
     return gaexp(out, ["-m", f"norm={plan.grid_norms}", f"regime={plan.grid_regimes}", f"seed={plan.seeds}",
-                       f"train.num_iterations={plan.steps}", f"train.eval_period={max(1, plan.steps // 4)}",
-                       "analysis.window_start=0", f"device={device}", "compile=off", "launch=joblib",
-                       f"hydra.launcher.n_jobs={n_jobs}", "threads=1", f"data.root={data_root}", "data.sources=[local]",
-                       "~hydra.callbacks.report"])  # the grid's figures are read here, not its report
+                       *plan.runs, f"device={device}", "launch=joblib", f"hydra.launcher.n_jobs={n_jobs}", "threads=1",
+                       f"data.root={data_root}", "~hydra.callbacks.report"])  # its figures are read here, not its report
 
 
 def finals(store: Path) -> pd.DataFrame:

@@ -30,9 +30,9 @@ from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 
 from gaexp import liveness
-from gaexp.redact import mask
 from gaexp.config import HOLDOUT_SEED, protocol_part
 from gaexp.hooks import EvalPoint, Hook, Stopped
+from gaexp.redact import mask
 
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
     import torch
@@ -172,8 +172,9 @@ def newest_run(client: MlflowClient, experiment_ids: list[str], filter_string: s
                wanted: Callable[[Run], bool] = lambda run: True) -> Run | None:
     """The newest run (by start time) of the search that `wanted` keeps, read a page at a time until found."""
     token = None
-    while True:  # small pages: the newest runs are what is wanted, usually in the first
-        page = client.search_runs(experiment_ids, filter_string, ViewType.ACTIVE_ONLY, min(10, PAGE_SIZE),
+    while True:
+        size = min(10, PAGE_SIZE) if token is None else PAGE_SIZE  # the first page small: usually it is there
+        page = client.search_runs(experiment_ids, filter_string, ViewType.ACTIVE_ONLY, size,
                                   ["attributes.start_time DESC"], token)
         found = next((r for r in page if wanted(r)), None)
         token = page.token
@@ -285,8 +286,8 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
         raise
     except BaseException as e:
-        client.set_tag(run_id, "error", f"{type(e).__name__}: {e}"[:5000])
-        client.set_tag(run_id, "error.traceback", traceback.format_exc()[-5000:])
+        client.set_tag(run_id, "error", mask(f"{type(e).__name__}: {e}")[:5000])  # a driver's error may name its URL
+        client.set_tag(run_id, "error.traceback", mask(traceback.format_exc())[-5000:])
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
@@ -335,7 +336,8 @@ class MlflowLogger(Hook):
 
 def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wall_seconds: float,
                 extra: Mapping[str, float] | None = None) -> None:
-    """Run-level metrics at the last step: accuracy, speed, and any `extra` (e.g. memory)."""
+    """Run-level metrics at the last step: accuracy, speed, and any `extra` (e.g. memory); and the run's
+    curves as tags (`curves_tags`)."""
     now, last = int(time.time() * 1000), history[-1]
     values = {
         "final_valid_acc": last.valid_acc,
