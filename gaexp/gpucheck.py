@@ -116,17 +116,16 @@ def grid(plan: Plan, device: str, data_root: str, out: Path, n_jobs: int) -> flo
                        f"data.root={data_root}", "~hydra.callbacks.report"])  # its figures are read here, not its report
 
 
-def finals(store: Path) -> pd.DataFrame:
-    """Each run's last valid_acc (points), by norm, regime and seed; and its peak CUDA memory."""
+def finals(store: Path) -> pd.Series:
+    """Each run's last valid_acc (points), by norm, regime and seed."""
     collected = analysis.collect(MlflowClient(f"sqlite:///{store}/mlflow.db"), "gaexp", "all")
-    last = collected.data.sort_values("step").groupby(["norm", "regime", "seed"]).valid_acc.last() * 100
-    return last.to_frame()
+    return collected.data.sort_values("step").groupby(["norm", "regime", "seed"]).valid_acc.last() * 100
 
 
 def against_cpu(plan: Plan, device: str, data_root: str, work: Path, summary: Summary) -> float:
     wall = grid(plan, device, data_root, work / "grid-device", 1)
     grid(plan, "cpu", data_root, work / "grid-cpu", 1)
-    on, off = finals(work / "grid-device").valid_acc, finals(work / "grid-cpu").valid_acc
+    on, off = finals(work / "grid-device"), finals(work / "grid-cpu")
     summary.add(f"{device} against cpu, final valid_acc (points), paired on the seeds {plan.seeds}, margin "
                 f"+-{plan.margin}:")
     for (norm, regime), group in on.groupby(level=["norm", "regime"]):

@@ -15,9 +15,14 @@ import argparse
 import importlib.util
 import os
 import secrets
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from mlflow.tracking import MlflowClient
 
@@ -100,6 +105,34 @@ def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], d
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_ini(args.root, args.admin_user, args.default_permission))
         env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", flask_secret(args.root))
     return command(args.root, args.host, args.port, locked, args.workers, args.allowed_hosts), env
+
+
+@contextmanager
+def running(argv: list[str], url: str, log_path: Path, what: str = "mlflow server",
+            env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """Run a server's `argv` in its own process group (output to `log_path`; environment `env`, default this
+    one's) until `url`/health answers; stop the whole group however the caller ends."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} did not start: {log_path.read_text()[-2000:]}") from None
+                time.sleep(0.5)
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,19 +15,16 @@ import argparse
 import contextlib
 import io
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, progress, storegen, tracking
+from gaexp import analysis, progress, server, storegen, tracking
 
 MEASURES = ["collect one sweep", "collect all", "gaexp-status", "gaexp-report (one sweep)", "resume check (60 cells)"]
 
@@ -79,26 +76,8 @@ def local_server(db: Path, log: Path) -> Iterator[str]:
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
             "--workers", "1", "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", str(db.parent / "art")]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"the MLflow server did not start; see {log}") from None
-                time.sleep(0.5)
+    with server.running(argv, uri, log, env=env):
         yield uri
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def table(rows: list[tuple[str, int, dict[str, float | None]]]) -> str:

@@ -31,7 +31,6 @@ from gaexp.hooks import EvalPoint
 NORMS, REGIMES, SEEDS = ["bn", "in", "gn4", "gn16", "none"], ["bs1a1", "bs1a16", "bs4a4", "bs16a1"], [1, 2, 3]
 EVALS, STEPS = 12, 3000  # evaluations a generated run logs, at every STEPS / EVALS optimizer steps
 SWEEP_S = 3600  # seconds between the starts of generated sweeps
-PLAN_ROLE = tracking.PLAN_ROLE
 
 
 def sweep_id(k: int) -> str:
@@ -53,7 +52,7 @@ def write_first_sweep(client: MlflowClient, experiment_id: str, started_ms: int)
     """The template sweep through the client: a plan run and the 60 cells as train_and_track logs them."""
     sid = sweep_id(0)
     plan = client.create_run(experiment_id, run_name=f"sweep-{sid}", start_time=started_ms, tags={
-        "gaexp.role": PLAN_ROLE, "sweep_id": sid, "gaexp.cells": str(len(cells())), "gaexp.expected_s": "3600.000",
+        "gaexp.role": tracking.PLAN_ROLE, "sweep_id": sid, "gaexp.cells": str(len(cells())), "gaexp.expected_s": "3600.000",
         "gaexp.cells_at_once": "2", "gaexp.graphs": "0"}).info.run_id
     for index, (norm, regime, seed) in enumerate(cells()):
         resolved = OmegaConf.to_container(compose_config([f"norm={norm}", f"regime={regime}", f"seed={seed}",
@@ -119,7 +118,7 @@ def generated_sweeps(db: Path) -> int:
     try:
         return con.execute("SELECT count(*) FROM tags WHERE key = 'gaexp.role' AND value = ? "
                            "AND run_uuid IN (SELECT run_uuid FROM tags WHERE key = 'sweep_id' AND value LIKE 'gen-%')",
-                           (PLAN_ROLE,)).fetchone()[0]
+                           (tracking.PLAN_ROLE,)).fetchone()[0]
     finally:
         con.close()
 

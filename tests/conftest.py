@@ -10,8 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,7 +20,7 @@ from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis
+from gaexp import analysis, server
 from gaexp.batches import Split
 from gaexp.config import CONFIG_DIR
 from gaexp.data import DataError, data_config, ensure_data
@@ -201,32 +199,7 @@ def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: floa
                          "kill it in was reached")
 
 
-@contextmanager
-def serving(argv: list[str], url: str, log_path: Path, what: str = "mlflow server",
-            env: dict | None = None) -> Iterator[subprocess.Popen]:
-    """Run `argv` in its own process group (output to `log_path`; environment `env`, default this one's)
-    until `url`/health answers; stop the whole group however the caller ends."""
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{what} did not start: {log_path.read_text()[-2000:]}")
-                time.sleep(0.5)
-        yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+serving = server.running  # the one way tests (and gaexp.storebench) run a server process
 
 
 @pytest.fixture(scope="session")

@@ -268,9 +268,9 @@ def test_the_docs_key_table_is_generated_from_the_schema():
 
 
 LAYERS = ["machine", "redact", "config", "configdocs", "targets", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
-          "tracking", "storegen", "progress", "eta_replay", "tuning", "analysis",
+          "tracking", "storegen", "server", "progress", "eta_replay", "tuning", "analysis",
           "ui", "compare", "storebench",
-          "bench", "check_cli", "zoo", "gpucheck", "server", "app", "__main__"]
+          "bench", "check_cli", "zoo", "gpucheck", "app", "__main__"]
 
 
 def _without_main_block(tree: ast.Module) -> ast.Module:
