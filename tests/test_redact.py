@@ -38,7 +38,9 @@ def test_a_masked_url_reconnects_without_its_password():
 def test_a_log_line_with_a_password_is_masked_whatever_handler_writes_it(monkeypatch, caplog):
     monkeypatch.setattr(logging, "_logRecordFactory", logging.getLogRecordFactory())  # restored after the test
     mask_logs()
+    installed = logging.getLogRecordFactory()
     mask_logs()  # once, however often called
+    assert logging.getLogRecordFactory() is installed
     logging.getLogger("hydra.launcher").warning("#0 : optuna.storage=%s", f"postgresql\\://a\\:{SECRET}@h/db")
     assert caplog.messages == ["#0 : optuna.storage=postgresql\\://a\\:***@h/db"]
     record = logging.LogRecord("gaexp", logging.INFO, __file__, 1, "storage %s", (f"postgresql://a:{SECRET}@h/db",), None)
