@@ -48,8 +48,8 @@ test: setup-test data   ## every test: what CI runs
 test-fast: setup-test data   ## the edit loop: everything but the slow tests (subprocess sweeps, servers, Ray)
 	$(PYTHON) -m pytest -q -m "not slow"
 
-docs: setup   ## regenerate the config key tables in docs/usage.md from the schema (gaexp/config.py)
-	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/usage.md')"
+docs: setup   ## regenerate the config key tables in docs/configuration.md from the schema (gaexp/config.py)
+	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/configuration.md')"
 
 ui:           ## browse every run: prints each experiment's link to its runs table, then starts the MLflow UI
               ## (STORE=sqlite:///ABSOLUTE/PATH.db: another store; STORE=http://HOST:PORT: a server's own UI)

@@ -1,4 +1,4 @@
-"""docs/usage.md's tables of config keys and norm options, generated from the schema (gaexp/config.py) by
+"""docs/configuration.md's tables of config keys and norm options, generated from the schema (gaexp/config.py) by
 `make docs`."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _yaml_value(value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """docs/usage.md's tables of keys and of norm options, generated from the schema (`make docs`)."""
+    """docs/configuration.md's tables of keys and of norm options, generated from the schema (`make docs`)."""
     def row(name: str, f: Any, kind: str) -> str:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         shown = "from the group" if default == MISSING else _yaml_value(default)
@@ -40,8 +40,11 @@ def markdown_table() -> str:
 DOCS_MARKERS = ("<!-- config-keys:begin -->\n", "\n<!-- config-keys:end -->")
 
 
-def write_docs_table(path: str) -> None:
-    """Replace the table between DOCS_MARKERS in `path` by `markdown_table()`."""
+DOCS_PAGE = "docs/configuration.md"  # the page whose DOCS_MARKERS hold the tables (`make docs`)
+
+
+def write_docs_table(path: str = DOCS_PAGE) -> None:
+    """Replace the table between DOCS_MARKERS in `path` (by default DOCS_PAGE) by `markdown_table()`."""
     text = Path(path).read_text()
     begin, end = text.index(DOCS_MARKERS[0]) + len(DOCS_MARKERS[0]), text.index(DOCS_MARKERS[1])
     Path(path).write_text(text[:begin] + markdown_table() + text[end:])

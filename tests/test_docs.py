@@ -220,18 +220,36 @@ def test_a_documented_command_works_as_written(command, monkeypatch, tmp_path):
             check_hydra(parsed.overrides)
 
 
-def test_the_usage_contents_list_every_section():
-    """docs/usage.md's contents: every ## and ### heading outside code, in order, with the anchor GitHub makes."""
-    text = (REPO / "docs" / "usage.md").read_text()
-    outside = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+CONTENTS_ITEM = re.compile(r"^( *)(?:- |(\d+\.) )\[(.+)\]\(#(.+)\)$", re.M)  # - [Title](#anchor), 1. [Title](#anchor)
+
+
+def github_anchor(title: str) -> str:
+    """The anchor GitHub makes for a heading."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def contents_list(text: str) -> list[tuple[bool, str, str]]:
+    """The contents list before a page's first `## ` heading: (nested, title, anchor) per entry; a numbered
+    entry `1. [Title]` stands for the heading `1. Title`."""
+    return [(bool(indent), f"{number} {title}" if number else title, target)
+            for indent, number, title, target in CONTENTS_ITEM.findall(text.split("\n## ", 1)[0])]
+
+
+PAGES_WITH_CONTENTS = [doc for doc in DOCUMENTS if contents_list(doc.read_text())]
+
+
+def test_the_guide_pages_have_a_contents_list():
+    names = {doc.name for doc in PAGES_WITH_CONTENTS}
+    assert {"configuration.md", "data.md", "check.md", "tracking.md", "tuning.md"} <= names
+
+
+@pytest.mark.parametrize("doc", PAGES_WITH_CONTENTS, ids=lambda doc: doc.name)
+def test_a_contents_list_lists_every_section(doc):
+    """A page's contents: every ## and ### heading outside code, in order, with the anchor GitHub makes."""
+    outside = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
     headings = re.findall(r"^(##|###) (.+)$", outside, re.M)
-
-    def anchor(title: str) -> str:
-        return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
-
-    expected = [("  " if level == "###" else "") + f"- [{title}](#{anchor(title)})" for level, title in headings]
-    listed = re.findall(r"^ *- \[.+\]\(#.+\)$", text.split("\n## ", 1)[0], re.M)
-    assert listed == expected
+    expected = [(level == "###", title, github_anchor(title)) for level, title in headings]
+    assert contents_list(doc.read_text()) == expected
 
 
 # --- a newcomer's walk: one documented command of each family, as written, at a tiny budget ----------------
@@ -262,11 +280,11 @@ def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, dat
         assert proc.returncode == 0, f"{' '.join(argv)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout + proc.stderr
 
-    data = documented("docs/usage.md", "gaexp.data --root outputs/data")
+    data = documented("docs/data.md", "gaexp.data --root outputs/data")
     datasets.main(list(data.argv[1:]))
     assert capsys.readouterr().out.startswith("mnist: 60,000 training + 10,000 test images of 1x28x28, 10 classes")
 
-    check = documented("docs/usage.md", "gaexp-check model=simple norm=gn4 --data mnist")
+    check = documented("docs/check.md", "gaexp-check model=simple norm=gn4 --data mnist")
     with pytest.raises(SystemExit) as done:
         check_cli.main(list(check.argv[1:]))
     assert done.value.code == 0 and "SAFE" in capsys.readouterr().out
@@ -276,20 +294,20 @@ def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, dat
                    "hydra.sweeper.n_trials=2", "data.holdout=500", "analysis.window_start=0", *BUDGET])
     assert re.search(r"\| 2/2 trials: \d complete, \d pruned, 0 failed, 0 running, 0 waiting; best 0\.\d{4}", printed)
 
-    tuned = documented("docs/usage.md", "gaexp-tuned --run")
+    tuned = documented("docs/tuning.md", "gaexp-tuned --run")
     run(["gaexp.tuning", *tuned.argv[1:]])
-    report = documented("docs/usage.md", "gaexp-report --experiment gaexp-tune_lr-test")
+    report = documented("docs/tuning.md", "gaexp-report --experiment gaexp-tune_lr-test")
     analysis.main(list(report.argv[1:]))
     table = capsys.readouterr().out
     assert "| gn4 | bs16a1 |" in table  # the one cell tuned, at its best lr
 
-    status = documented("docs/usage.md", "gaexp-status")
+    status = documented("docs/tracking.md", "gaexp-status")
     progress.main([*status.argv[1:], "--experiment", "gaexp-tune_lr-test"])
     assert re.match(r"sweep \S+ \(FINISHED\)\n  3/3 cells: 3 finished, 0 running;", capsys.readouterr().out)
 
     execs = []
     monkeypatch.setattr(ui.os, "execv", lambda path, argv: execs.append(argv))
-    make_ui = documented("docs/usage.md", "make ui")
+    make_ui = documented("docs/tracking.md", "make ui")
     assert make_ui.argv == ("make", "ui")  # the Makefile's ui target: python -m gaexp.ui --store $(STORE) ...
     ui.main([])
     links = capsys.readouterr().out
