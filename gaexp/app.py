@@ -303,7 +303,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
             if hydra_dir is not None and hydra_dir.is_dir():
                 tracking.log_masked_artifacts(client, run_id, hydra_dir, "hydra")
             hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
-                     *norms.hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *trial,
+                     *norms.declared(c.norm).hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *trial,
                      Progress(c.train.num_iterations, c.run_name, bar)]
             tic = time.perf_counter()
             try:

@@ -10,9 +10,12 @@ batch. The loss is the mean over b*k samples: the loop's sum of k micro-batch me
 differs is float rounding only (reductions summed in another order), proven per norm and regime by
 tests/test_batched.py.
 
-gaexp knows which layers are which by their exact type: a leaf layer it does not know (a norm file's own
-layer, dropout, a subclass with its own forward) is refused in one line, never run approximately. Modules
-with children and no parameters of their own (the models' blocks) are read as compositions of their layers.
+Which layers couple their samples, each layer says: a norm's layer carries its declaration
+(`couples_samples`, gaexp/norms.py: the registry's norms, and a norm of one's own that declares it on its
+class). Torch's own layers, declaring nothing, are known by their exact type. A leaf layer that neither
+declares itself nor is one of those (an undeclared layer of one's own, dropout, a subclass with its own
+forward) is refused in one line, never run approximately. Modules with children and no parameters of their
+own (the models' blocks) are read as compositions of their layers.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 from gaexp.batches import Draw, Split
 from gaexp.model import ZeroPadShortcut
-from gaexp.norms import BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
+from gaexp.norms import COUPLES
 
 # Layers that compute each sample from that sample alone, in training as in evaluation.
 PER_SAMPLE: tuple[type[nn.Module], ...] = (
@@ -33,10 +36,9 @@ PER_SAMPLE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Mish,
     nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
     ZeroPadShortcut)
-# Layers that couple a batch's samples in training, chunked by b; InstanceNorm only when it tracks running
+# Torch's layers that couple a batch's samples in training, chunked by b; InstanceNorm only when it tracks running
 # statistics (their update averages over the batch), per sample otherwise.
-COUPLED: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, PreciseBatchNorm2d, MicroBatchEvalBatchNorm2d, BatchRenorm2d)
+COUPLED: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 INSTANCE: tuple[type[nn.Module], ...] = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
@@ -52,6 +54,11 @@ def coupled_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         own_state = any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
         if next(m.children(), None) is not None and not own_state:
             continue  # a container: its layers are checked one by one
+        declared = getattr(m, COUPLES, None)  # the layer's own word (a norm's declaration), before its type
+        if declared is not None:
+            if declared:
+                coupled.append((name, m))
+            continue
         kind = type(m)
         if kind in PER_SAMPLE or (kind in INSTANCE and not m.track_running_stats):
             continue
@@ -61,8 +68,8 @@ def coupled_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         known = sorted({t.__name__ for t in (*PER_SAMPLE, *COUPLED, *INSTANCE)})
         raise UnchunkableError(
             f"accumulate=batched: layer {name or 'the model'!r} is a {kind.__module__}.{kind.__qualname__}, not a "
-            f"layer gaexp knows to be per sample or to chunk exactly (known: {', '.join(known)}); run "
-            "accumulate=loop")
+            f"layer gaexp knows to be per sample or to chunk exactly (known: {', '.join(known)}, and a layer "
+            f"declaring {COUPLES} = True or False); run accumulate=loop")
     return coupled
 
 

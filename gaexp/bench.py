@@ -36,11 +36,12 @@ from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, regim
 from gaexp.data import DataError, data_config, datasets, torchvision_class
 from gaexp.datasets import fetch, open_dataset, splits
 from gaexp.model import load
-from gaexp.norms import norm2d
+from gaexp.config import NormConfig
+from gaexp.norms import NORMS, norm2d
 from gaexp.train import compile_phases, evaluate, resolve_device, step_function
 
 STUDY_NORMS = ("bn", "in", "gn4", "gn16", "none")
-OPTIONLESS_NORMS = (*STUDY_NORMS, "ln", "in_affine")  # the norms built without options
+OPTIONLESS_NORMS = tuple(name for name, norm in NORMS.items() if norm.options is NormConfig)  # built without options
 STUDY_REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
 SEEDS, ITERATIONS, EVALS, VALID_IMAGES = 3, 3600, 12, 10_000
 

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from gaexp.norms import NORMS
+
 STEP_TARGETS = "step_targets"  # a loss taking this (or a third positional) gets the whole step's targets, unscaled
 MODES = ("train", "keep")  # every module in training mode, or the training flags as the model came
 
@@ -51,25 +53,15 @@ MODES = ("train", "keep")  # every module in training mode, or the training flag
 # difference to the true batch of 16, bn/bs16a1, with its 95% t-interval and its verdict at ±0.5 points).
 # tests/test_check.py holds these figures to that table.
 BN_ACCUMULATED = ("bn", 88.70, "-8.94 [-16.05, -1.83]", "worse")
-BN_REMEDIES = (  # (norm= choice, what it changes, accuracy %, points against the true batch, verdict)
-    ("bn_microeval", "evaluate with each micro-batch's own statistics, as it trained", 98.41, "+0.77 [+0.64, +0.90]",
-     "better"),
-    ("in", "InstanceNorm instead", 98.47, "+0.83 [+0.52, +1.15]", "better"),
-    ("brn", "Batch Renorm: training corrected towards the running statistics", 97.55, "-0.10 [-0.74, +0.55]",
-     "inconclusive (4 seeds)"),
-    ("gn16", "GroupNorm with 16 groups instead", 97.31, "-0.33 [-1.21, +0.56]", "inconclusive (7 seeds)"),
-    ("bn_precise", "exact population statistics before each evaluation", 90.65, "-6.99 [-10.83, -3.16]", "worse"),
+# What each changes is its norm's declaration (gaexp/norms.py: `remedy`, and `in_your_model` for a model of
+# one's own, where gaexp's norm= choices do not apply).
+BN_REMEDIES = (  # (norm= choice, accuracy %, points against the true batch, verdict), best first
+    ("bn_microeval", 98.41, "+0.77 [+0.64, +0.90]", "better"),
+    ("in", 98.47, "+0.83 [+0.52, +1.15]", "better"),
+    ("brn", 97.55, "-0.10 [-0.74, +0.55]", "inconclusive (4 seeds)"),
+    ("gn16", 97.31, "-0.33 [-1.21, +0.56]", "inconclusive (7 seeds)"),
+    ("bn_precise", 90.65, "-6.99 [-10.83, -3.16]", "worse"),
 )
-# The same remedies said as what to change in a model of one's own (gaexp's norm= choices are for its models).
-BN_CHANGES = {
-    "bn_microeval": "evaluate in micro-batches of b, each normalised by its own statistics as in training "
-                    "(BatchNorm with track_running_stats=False)",
-    "in": "nn.InstanceNorm2d(C, affine=True) in place of each BatchNorm2d",
-    "brn": "Batch Renorm in place of BatchNorm (training corrected towards the running statistics)",
-    "gn16": "nn.GroupNorm(16, C) in place of each BatchNorm2d",
-    "bn_precise": "precise BatchNorm: recompute the population statistics over many batches before each "
-                  "evaluation",
-}
 
 
 class CheckError(ValueError):
@@ -821,13 +813,13 @@ def _remedies(modules: list[Coupling], buffers: list[BufferDiff], owners: dict[s
                     f"{against}, {verdict}")
         if norm_choices:
             remedies.append(f"for BatchNorm, as gaexp's study measured them ({measured}):")
-            remedies += [f"  norm={choice}: {what}: {accuracy:.2f}%, {against}, {verdict}"
-                         for choice, what, accuracy, against, verdict in BN_REMEDIES]
+            remedies += [f"  norm={choice}: {NORMS[choice].remedy}: {accuracy:.2f}%, {against}, {verdict}"
+                         for choice, accuracy, against, verdict in BN_REMEDIES]
         else:
             remedies.append(f"for BatchNorm, what to change in the model, with what gaexp's study measured for each "
                             f"({measured}):")
-            remedies += [f"  {BN_CHANGES[choice]}: {accuracy:.2f}%, {against}, {verdict}"
-                         for choice, _, accuracy, against, verdict in BN_REMEDIES]
+            remedies += [f"  {NORMS[choice].in_your_model}: {accuracy:.2f}%, {against}, {verdict}"
+                         for choice, accuracy, against, verdict in BN_REMEDIES]
     if any(not isinstance(owners[m], nn.modules.batchnorm._BatchNorm) for m in named):
         remedies.append("other coupling modules: compute their statistics per sample (GroupNorm, LayerNorm), or "
                         "once over the whole step before its micro-batches")

@@ -98,6 +98,7 @@ class NormConfig(Checked):
     """A layer with no options: bn, in, gn4, gn16, none, ln, in_affine (conf/norm/<name>.yaml)."""
 
     PREFIX: ClassVar[str] = "norm."
+    KIND: ClassVar[str] = "plain"  # its schema in Hydra's ConfigStore: conf/norm/<name>.yaml names /schema/norm/<KIND>
     name: str = key(MISSING, "the layer, one of conf/norm/ (gaexp/norms.py builds it)")
 
     def options(self) -> Dict[str, Any]:
@@ -107,11 +108,13 @@ class NormConfig(Checked):
 
 @dataclass
 class GroupNormConfig(NormConfig):
+    KIND: ClassVar[str] = "gn"
     groups: int = key(8, "GroupNorm groups; must divide the channels of every norm layer of the model", valid=at_least(1))
 
 
 @dataclass
 class PreciseBNConfig(NormConfig):
+    KIND: ClassVar[str] = "bn_precise"
     stats_batch_size: int = key(MISSING, "batch size of the passes that estimate the population statistics",
                                 valid=at_least(1))
     stats_samples: int = key(4096, "training images those passes see before each evaluation", valid=at_least(1))
@@ -119,12 +122,14 @@ class PreciseBNConfig(NormConfig):
 
 @dataclass
 class MicroEvalBNConfig(NormConfig):
+    KIND: ClassVar[str] = "bn_microeval"
     micro_batch: int = key(MISSING, "evaluate each group of this many test images with its own statistics",
                            valid=at_least(1))
 
 
 @dataclass
 class BatchRenormConfig(NormConfig):
+    KIND: ClassVar[str] = "brn"
     num_accum: int = key(MISSING, "accumulation steps, to count optimizer steps from micro-batches", valid=at_least(1))
     r_max: float = key(3.0, "largest correction r of the batch standard deviation", valid=number(1.0))
     d_max: float = key(5.0, "largest correction d of the batch mean, in running standard deviations",
@@ -136,6 +141,7 @@ class BatchRenormConfig(NormConfig):
 
 @dataclass
 class KMomentumBNConfig(NormConfig):
+    KIND: ClassVar[str] = "bn_kmom"
     num_accum: int = key(MISSING, "accumulation steps k", valid=at_least(1))
     momentum: float = key(0.1, "momentum of one update per optimizer step; each micro-batch uses 1-(1-m)^(1/k)",
                           valid=number(0, 1, open_low=True))
@@ -146,6 +152,8 @@ class CustomNormConfig(NormConfig):
     """A norm the registry (gaexp/norms.py) does not have, in one file: conf/norm/<name>.yaml names the
     callable that builds it and its keyword arguments (docs/development.md)."""
 
+    KIND: ClassVar[str] = "custom"
+
     target: str = key(MISSING, "module:callable building the layer: the channel count, then `params` by keyword")
     params: Dict[str, Any] = key({}, "keyword arguments of the callable besides the channel count")
 
@@ -153,8 +161,13 @@ class CustomNormConfig(NormConfig):
         return dict(self.params)
 
 
-NORM_SCHEMAS = {"plain": NormConfig, "custom": CustomNormConfig, "gn": GroupNormConfig, "bn_precise": PreciseBNConfig,
-                "bn_microeval": MicroEvalBNConfig, "brn": BatchRenormConfig, "bn_kmom": KMomentumBNConfig}
+def _schemas(base: type) -> Iterator[type]:
+    yield base
+    for sub in base.__subclasses__():
+        yield from _schemas(sub)
+
+
+NORM_SCHEMAS = {schema.KIND: schema for schema in _schemas(NormConfig)}  # every options dataclass above, by KIND
 
 
 # --- the other nodes ------------------------------------------------------------------------------
@@ -244,7 +257,7 @@ class DataConfig(Checked):
     debian: Optional[DebianSource] = key(None, "the `debian` source, for a dataset that has one", runtime=True)
     path: Optional[str] = key(None, "folder: the image folder, one subfolder per class (or train/ and val/ "
                                     "folders of them)", runtime=True)
-    target: Optional[str] = key(None, "custom: module:callable returning the two splits (docs/usage.md)",
+    target: Optional[str] = key(None, "custom: module:callable returning the two splits (docs/data.md)",
                                 runtime=True)
     params: Dict[str, Any] = key({}, "custom: keyword arguments of the loader", runtime=True)
     size: Optional[List[int]] = key(None, "folder: every image resized to [height, width] (null: as they are, "
@@ -353,8 +366,8 @@ class AnalysisConfig(Checked):
     ranked_regime: str = key("bs1a16", "regime on which every norm is ranked")
     baselines: List[str] = key(["bn/bs16a1", "in/bs1a16"], "norm/regime cells the ranking is paired against",
                                valid=(lambda v: all(b.count("/") == 1 for b in v), "entries of the form norm/regime"))
-    norm_order: List[str] = key(["bn", "in", "gn4", "gn16", "none", "ln", "in_affine", "bn_precise",
-                                 "bn_microeval", "brn", "bn_kmom"], "row and panel order (others follow, sorted)")
+    norm_order: List[str] = key([], "row and panel order (others follow, sorted); empty: the order the norms are "
+                                    "declared in (gaexp/norms.py)")
     regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
     per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
     margin: float = key(0.5, "equivalence margin in accuracy points: a paired difference shown (TOST, 5%) to lie "

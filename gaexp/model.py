@@ -3,7 +3,7 @@
 A model is any callable `build(norm_layer, in_channels, num_classes) -> nn.Module`, where `norm_layer(channels)`
 returns the normalization layer the cell studies (gaexp/norms.py); conf/model/<name>.yaml names it with
 `target: module:callable`. The study's CNN (`simple`) and a CIFAR-style ResNet-20 (`resnet20`) are the two
-gaexp ships; a user's own model is `model=custom model.target=mypkg.nets:build` (docs/usage.md).
+gaexp ships; a user's own model is `model=custom model.target=mypkg.nets:build` (docs/configuration.md, "Your own model").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from gaexp.batched import Chunking, accumulate_batched
 from gaexp.batches import Draw, Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
-from gaexp.norms import COMPILED_TRAINING
+from gaexp.norms import compiled_training
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def compile_phases(choice: str, norm: str, device: torch.device) -> frozenset[st
     """The phases ("train", "eval") that run through torch.compile for `compile=choice`.
 
     auto: evaluation for every norm, training too for the norms whose eager layers are slow in
-    channels_last (COMPILED_TRAINING, gaexp/norms.py); eager when no compiler is installed.
+    channels_last (their declaration, gaexp/norms.py); eager when no compiler is installed.
     Training compiled or not follows the same arithmetic up to rounding; evaluation's predictions
     differ only on near ties (tests/test_train.py)."""
     phases = planned_phases(choice, norm)
@@ -81,7 +81,7 @@ def compile_phases(choice: str, norm: str, device: torch.device) -> frozenset[st
 def planned_phases(choice: str, norm: str) -> frozenset[str]:
     """Pure: `compile_phases` where a compiler is installed (what a sweep's plan counts on)."""
     phases = {"off": frozenset(), "eval": frozenset({"eval"}), "all": frozenset({"train", "eval"}),
-              "auto": frozenset({"train", "eval"} if norm in COMPILED_TRAINING else {"eval"})}
+              "auto": frozenset({"train", "eval"} if compiled_training(norm) else {"eval"})}
     if choice not in phases:
         raise ValueError(f"compile={choice!r}; valid: {', '.join(COMPILE_CHOICES)}")
     return phases[choice]

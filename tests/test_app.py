@@ -22,6 +22,7 @@ from gaexp import train as train_module
 from gaexp.app import prepare, run_cell, threads_for
 from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
 from tests.conftest import TINY
+from tests.test_batched import USER_NORM, USER_NORM_FILE
 
 
 def prepared(cfg):
@@ -193,6 +194,30 @@ def test_a_batched_cell_is_its_own_run_and_records_the_loops_memory_beside_its_o
     assert {k for k in loop_run.data.metrics if k.endswith("_mb")} == {"activation_mb", "peak_rss_mb"}
     assert memory["activation_mb"] == loop_run.data.metrics["activation_mb"]  # what the loop holds, one micro-batch
     assert memory["batched_activation_mb"] == true_batch.data.metrics["activation_mb"]  # the 16 samples of a step
+
+
+def test_a_coupled_norm_of_ones_own_in_one_file_trains_under_both_engines_and_shows_in_the_report(tmp_path, compose,
+                                                                                                  monkeypatch):
+    """Only mine_bn.py (a BatchNorm variant declaring couples_samples): loop and batched cells, then the report."""
+    (tmp_path / "mine_bn.py").write_text(USER_NORM_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mine = ["norm=custom", f"norm.target={USER_NORM}", "norm.name=mean_bn", "train.num_iterations=3"]
+    for cell in (["norm=bn", "regime=bs16a1"], ["norm=bn", "regime=bs4a4"], [*mine, "regime=bs16a1"],
+                 [*mine, "regime=bs4a4"]):
+        run_cell(prepared(compose(*TINY, "train.num_iterations=3", *cell, outputs=tmp_path)), sweep_id="s1")
+    batched = prepared(compose(*TINY, *mine, "regime=bs4a4", "accumulate=batched", outputs=tmp_path))
+    run_cell(batched, sweep_id="s2")
+    client = MlflowClient(batched.mlflow.tracking_uri)
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])}
+    loss = {name: client.get_metric_history(runs[name].info.run_id, "train_loss")[0].value
+            for name in ("mean_bn-bs4a4-s1", "batched-mean_bn-bs4a4-s1")}
+    assert runs["batched-mean_bn-bs4a4-s1"].data.tags["accumulate"] == "batched"
+    assert loss["batched-mean_bn-bs4a4-s1"] == pytest.approx(loss["mean_bn-bs4a4-s1"], rel=1e-5)  # rounding only
+    summary, _, _ = analysis.report(batched.mlflow.tracking_uri, "gaexp", sweep="s1",
+                                    design=analysis.AnalysisConfig(window_start=0, table_columns=["bs16a1", "bs4a4"]),
+                                    out=tmp_path / "report", plots=False)
+    assert list(summary.table.index) == ["bn", "mean_bn"]  # the declared norms first, then one's own
+    assert summary.cells.loc[("mean_bn", "bs4a4"), "seeds"] == 1 and 0 < summary.table.loc["mean_bn", "bs4a4"] < 100
 
 
 MEAN_NORM_FILE = """

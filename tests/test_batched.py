@@ -13,6 +13,8 @@ BatchNorm over the whole b*k) differs by more than 1e-3.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -20,7 +22,9 @@ from torch import nn
 from gaexp.batched import Chunking, UnchunkableError, accumulate_batched, coupled_layers
 from gaexp.batches import micro_batches
 from gaexp.model import ResNet20, SimpleModel
-from gaexp.norms import BatchRenorm2d, layer
+from gaexp.layers import BatchRenorm2d
+from gaexp.config import CustomNormConfig
+from gaexp.norms import layer, layer_of, norm2d
 from gaexp.train import accumulate, step_function
 from tests.conftest import Float64
 
@@ -34,7 +38,39 @@ STEPS = 20
 TOLERANCE = 1e-7
 
 
+# A norm of one's own, in one file: BatchNorm that only centres (mean-only BatchNorm), its coupling declared.
+USER_NORM_FILE = """
+import torch
+from torch import nn
+
+
+class MeanOnlyBatchNorm2d(nn.BatchNorm2d):
+    couples_samples = True  # its batch mean couples the samples: accumulate=batched runs it per micro-batch
+
+    def forward(self, x):
+        if not self.training:
+            return (x - self.running_mean[:, None, None]) * self.weight[:, None, None] + self.bias[:, None, None]
+        mean = x.mean(dim=(0, 2, 3))
+        with torch.no_grad():
+            self.running_mean.lerp_(mean.detach(), self.momentum)
+            self.num_batches_tracked.add_(1)
+        return (x - mean[:, None, None]) * self.weight[:, None, None] + self.bias[:, None, None]
+"""
+USER_NORM = "mine_bn:MeanOnlyBatchNorm2d"
+
+
+@pytest.fixture
+def user_norm(tmp_path, monkeypatch) -> str:
+    """USER_NORM_FILE written as mine_bn.py on the import path; its target."""
+    (tmp_path / "mine_bn.py").write_text(USER_NORM_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mine_bn", raising=False)
+    return USER_NORM
+
+
 def norm_layer(norm: str, b: int, k: int):
+    if ":" in norm:  # a norm of one's own, as norm=custom norm.target=... builds it
+        return layer_of(CustomNormConfig(name="mean_bn", target=norm))
     options = {"bn_kmom": {"num_accum": k, "momentum": 0.1},
                # r and d clipped at their maxima from the first step, so the corrections act in every chunk
                "brn": {"num_accum": k, "r_max": 3.0, "d_max": 5.0, "warmup_steps": 0, "ramp_steps": 0},
@@ -121,6 +157,24 @@ def test_batched_computes_what_the_loop_computes(norm, regime, train_split):
         assert max(d.abs().max().item() for calls in loop_rd for _, d in calls) > 0.1
 
 
+@pytest.mark.parametrize("regime", ["bs1a16", "bs4a4"])
+def test_a_users_coupled_norm_in_one_file_batched_computes_what_the_loop_computes(regime, train_split, user_norm,
+                                                                                  monkeypatch):
+    """The proof above for a norm gaexp has never seen: its layers are chunked because they say they couple."""
+    b, k = REGIMES[regime]
+    assert [name for name, _ in coupled_layers(build(user_norm, b, k))] == [f"model.features.{i}" for i in (1, 5, 9, 13)]
+    loop, _ = trajectory("loop", user_norm, b, k, train_split)
+    batched, _ = trajectory("batched", user_norm, b, k, train_split)
+    found = differences(batched, loop)
+    assert max(found.values()) < TOLERANCE, found
+    assert [c.tolist() for c in batched[STEPS]["counts"]] == [c.tolist() for c in loop[STEPS]["counts"]] == \
+        [STEPS * k] * 4  # every micro-batch updated the running mean, in both engines
+    import gaexp.batched as batched_module  # what the declaration buys: the same model unchunked differs
+    monkeypatch.setattr(batched_module, "chunked", lambda layer, b: layer.forward)
+    whole, _ = trajectory("batched", user_norm, b, k, train_split, steps=2)
+    assert max(differences(whole, trajectory("loop", user_norm, b, k, train_split, steps=2)[0]).values()) > 1e-3
+
+
 @pytest.mark.parametrize("norm", GRID_NORMS + REMEDIES)
 def test_one_micro_batch_per_step_is_the_loop_bit_for_bit(norm, train_split):
     """bs1a1 and bs16a1: one micro-batch per step, so batched is the loop's very call, in float32 too."""
@@ -203,10 +257,16 @@ class ScaledByBatch(nn.Module):
         return self.gain * y / y.std()
 
 
+class DeclaredMeanOverBatch(MeanOverBatch):
+    couples_samples = True  # a layer of one's own that says it couples its batch: chunked, not refused
+
+
 def test_the_coupling_layers_are_the_batchnorms_and_instancenorm_with_running_statistics():
+    brn = norm2d("brn", 4, num_accum=1, r_max=3.0, d_max=5.0, warmup_steps=0, ramp_steps=0)
     net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.InstanceNorm2d(4), nn.GroupNorm(2, 4),
-                        nn.InstanceNorm2d(4, track_running_stats=True), BatchRenorm2d(4, 1, 3.0, 5.0, 0, 0))
-    assert [name for name, _ in coupled_layers(net)] == ["1", "4", "5"]
+                        nn.InstanceNorm2d(4, track_running_stats=True), brn, DeclaredMeanOverBatch())
+    assert [name for name, _ in coupled_layers(net)] == ["1", "4", "5", "6"]
+    assert brn.couples_samples is True and norm2d("in", 4).couples_samples is False  # each norm's declaration
     assert [name for name, _ in coupled_layers(SimpleModel(layer("bn")))] == [f"features.{i}" for i in (1, 5, 9, 13)]
     assert len(coupled_layers(ResNet20(layer("bn")))) == 19
     assert coupled_layers(SimpleModel(layer("gn4"))) == []

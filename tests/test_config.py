@@ -16,10 +16,11 @@ from omegaconf import OmegaConf
 from gaexp import tracking
 from gaexp.config import (OBJECTIVE_KEYS, PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
                           composition_problem, hydra_overrides, runtime_keys, typed, unknown_choice)
-from gaexp.configdocs import markdown_table
+from gaexp.configdocs import DOCS_PAGE, markdown_table
 from gaexp.machine import cgroup_cpus, usable_cores
 from gaexp.model import SimpleModel
-from gaexp.norms import layer, NORMS, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
+from gaexp.layers import BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
+from gaexp.norms import layer, NORMS
 from gaexp.train import train
 
 NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
@@ -42,7 +43,8 @@ def test_defaults_are_the_study_protocol(compose, tmp_path, monkeypatch):
 
 
 def test_config_groups_match_the_registry():
-    assert sorted(NORM_CHOICES) == sorted(NORMS) == sorted(p.stem for p in (REPO / "conf" / "norm").glob("*.yaml"))
+    assert sorted(NORM_CHOICES) == sorted(NORMS) == sorted(p.stem for p in (REPO / "conf" / "norm").glob("*.yaml")
+                                                           if p.stem != "custom")  # a norm of one's own: norm.target
 
 
 # What each norm's four layers must be, with the options that tell them apart (regime bs4a4 where one matters).
@@ -260,14 +262,14 @@ def test_device_type_is_the_device_resolved_where_the_run_runs(device, gpu_seen,
 
 
 def test_the_docs_key_table_is_generated_from_the_schema():
-    usage = (REPO / "docs" / "usage.md").read_text()
-    block = re.search(r"<!-- config-keys:begin -->\n(.*?)\n<!-- config-keys:end -->", usage, re.S)
-    assert block, "docs/usage.md lost its config-keys markers"
+    page = (REPO / DOCS_PAGE).read_text()
+    block = re.search(r"<!-- config-keys:begin -->\n(.*?)\n<!-- config-keys:end -->", page, re.S)
+    assert block, f"{DOCS_PAGE} lost its config-keys markers"
     assert block.group(1) == markdown_table(), "regenerate it: make docs"
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["machine", "redact", "config", "configdocs", "targets", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "norms", "model", "memory", "batched", "train", "check",
+LAYERS = ["machine", "redact", "config", "configdocs", "targets", "norms", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "layers", "model", "memory", "batched", "train", "check",
           "tracking", "storegen", "server", "progress", "eta_replay", "tuning", "analysis",
           "ui", "compare", "storebench",
           "bench", "check_cli", "zoo", "gpucheck", "app", "__main__"]
@@ -330,8 +332,8 @@ def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["norm=gn5"], "norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, gn, gn16, gn4, in, "
-                   "in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5"),
+    (["norm=gn5"], "norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, custom, gn, gn16, gn4, "
+                   "in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5"),
     (["-m", "norm=bn,gn4", "regime=bs1a16,bs2a8"], "regime=bs2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, bs4a4; "
                                                   "for micro-batch 2 with 8 accumulation steps: regime.batch_size=2 "
                                                   "regime.num_accum=8"),
@@ -371,8 +373,8 @@ def test_the_command_refuses_an_unknown_choice_in_one_line_before_hydra_starts(m
     monkeypatch.setattr(app, "main", lambda: pytest.fail("Hydra started on an unknown choice"))
     with pytest.raises(SystemExit) as stop:
         app.cli(["-m", "norm=gn5", "seed=1,2"])
-    assert str(stop.value) == ("error: norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, gn, "
-                               "gn16, gn4, in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5")
+    assert str(stop.value) == ("error: norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, custom, "
+                               "gn, gn16, gn4, in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5")
     with pytest.raises(SystemExit, match=r"^error: train.lrr: no key 'lrr' in train; valid: "):
         app.cli(["train.lrr=0.1"])
     ran = []

@@ -10,8 +10,9 @@ from torch import nn
 
 from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.model import SimpleModel
-from gaexp.norms import (layer, BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, hooks_for, kmom,
-                         norm2d, precise_statistics)
+from gaexp.layers import (BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, kmom,
+                          precise_statistics)
+from gaexp.norms import NORMS, layer, norm2d
 from gaexp.train import train
 
 BN_LIKE = dict(r_max=1.0, d_max=0.0, warmup_steps=0, ramp_steps=0)  # Batch Renorm with no correction: BatchNorm
@@ -149,7 +150,7 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
         torch.manual_seed(3)
         model = SimpleModel(layer(norm, **options))
         history = train(model, train_split, small_valid, TrainConfig(num_iterations=6, eval_period=3), RegimeConfig(1, 4),
-                        seed=3, hooks=hooks_for(model, train_split, seed=3))
+                        seed=3, hooks=NORMS[norm].hooks_for(model, train_split, seed=3))
         return model, history
 
     bn, bn_history = trained("bn")
@@ -164,6 +165,8 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
 
 
 def test_only_precise_bn_registers_a_hook(train_split):
-    assert hooks_for(SimpleModel(layer("bn")), train_split, seed=1) == []
-    (hook,) = hooks_for(SimpleModel(layer("bn_precise", stats_batch_size=4, stats_samples=64)), train_split, seed=1)
+    assert [name for name, norm in NORMS.items() if norm.hooks is not None] == ["bn_precise"]
+    assert NORMS["bn"].hooks_for(SimpleModel(layer("bn")), train_split, seed=1) == []
+    model = SimpleModel(layer("bn_precise", stats_batch_size=4, stats_samples=64))
+    (hook,) = NORMS["bn_precise"].hooks_for(model, train_split, seed=1)
     assert isinstance(hook, PreciseStatistics) and (hook.batch_size, hook.samples) == (4, 64)

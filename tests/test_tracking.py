@@ -22,7 +22,8 @@ from gaexp.data import data_config, raw_dir
 MD5 = data_config("mnist").files
 from gaexp.hooks import EvalPoint
 from gaexp.model import SimpleModel
-from gaexp.norms import layer, MicroBatchEvalBatchNorm2d
+from gaexp.layers import MicroBatchEvalBatchNorm2d
+from gaexp.norms import layer
 from gaexp.train import evaluate, train
 
 
@@ -217,7 +218,7 @@ def test_files_that_are_not_a_train_and_a_test_split_are_a_clear_error(tmp_path)
 
 
 def batch_statistics(model: torch.nn.Module, micro_batch: int) -> torch.nn.Module:
-    """As in docs/usage.md#reloading-a-runs-model: every BatchNorm2d evaluated with the statistics of each group
+    """As in docs/tracking.md#reloading-a-runs-model: every BatchNorm2d evaluated with the statistics of each group
     of `micro_batch` images (bn_microeval's layer) instead of its running averages, same weights."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():

@@ -161,7 +161,7 @@ def make(node: Any, where: str, kind: type, **filled: Any) -> Any:
         cause = e.__cause__ or e
         why = " ".join(str(cause).split()) or type(cause).__name__
         raise SweeperError(f"{where} ({target}): {why}; valid: its class's options at their types "
-                           f"(docs/usage.md, Tuning with Optuna)") from None
+                           f"(docs/tuning.md)") from None
     if not isinstance(made, kind):
         raise SweeperError(f"{where}._target_={target!r} is no {kind.__module__}.{kind.__name__}; valid: "
                            f"hydra/{where.replace('hydra.', '').replace('.', '/')}=<a name of its group>")
