@@ -13,6 +13,7 @@ resume matches (`protocol_part`), the keys Hydra leaves out of sweep folder name
 (`${gaexp.runtime_keys:}`) and the columns the analysis refuses to pool across (`PROTOCOL_COLUMNS`).
 """
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from gaexp.machine import device_type, usable_cores
 
@@ -408,8 +409,10 @@ class Config(Checked):
     train: TrainConfig = node(TrainConfig, "the training protocol")
     threads: Any = key("auto", "torch threads per run; auto: usable cores / cells at once (0: torch's default)",
                        runtime=True, valid=THREADS)
-    cells_at_once: Optional[int] = key(None, "cells sharing this machine's cores; set by conf/launch/ presets "
-                                             "(null: guessed from the launcher)", runtime=True, valid=CELLS)
+    cells_at_once: Optional[int] = key(None, "cells sharing this machine's cores, as the launch config says "
+                                             "(conf/launch/; null: one at a time)", runtime=True, valid=CELLS)
+    cells_elsewhere: bool = key(False, "the launch config runs cells on other hosts (a cluster): the store must be "
+                                       "a server they all reach", runtime=True)
     compile: str = key("auto", "torch.compile: off, eval (evaluation only), all (training too), auto (what pays for "
                               "the norm: all for in and in_affine, eval for the rest)", runtime=True,
                        valid=one_of(*COMPILE_CHOICES))
@@ -648,13 +651,28 @@ def rest_value(overrides: Sequence[str], key: str, default: str) -> str:
     return next((o.partition("=")[2] for o in overrides if o.partition("=")[0] == key), default)
 
 
+# --- what a job is given ---------------------------------------------------------------------------
+
+FAILED_MARKER = "FAILED.txt"  # written into a job's folder when its cell fails inside a multirun (gaexp/app.py)
+
+
+def job_config(cfg: DictConfig) -> DictConfig:
+    """The config a job sees: a callback's config without its `hydra` node (as Hydra's run_job does)."""
+    if "hydra" not in cfg:
+        return cfg
+    job = copy.deepcopy(cfg)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    return job
+
+
 # --- registration ---------------------------------------------------------------------------------
 
 def register() -> None:
     """The schema in Hydra's ConfigStore (`gaexp_schema`, and `schema/norm/<kind>` for the norm files),
     and the resolvers:
     `${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
-    `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.device_type:auto}`: cpu or cuda, here. `${gaexp.div:a,b}`: a // b, at least 1.
+    `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.device_type:auto}`: cpu or cuda, here. `${gaexp.div:a,b}`: a // b, at least 1. `${gaexp.given:x}`: whether x is set (not null).
     `${gaexp.mul:a,b}`: a product (the effective batch size b x k).
     `${gaexp.runtime_keys:}`: the runtime keys and preset groups, for hydra.job.config.override_dirname (which
     the Optuna sweeper also reads: keys that do not make a study another question), but the objective's keys."""
@@ -667,6 +685,7 @@ def register() -> None:
         "gaexp.cores": usable_cores,
         "gaexp.device_type": device_type,
         "gaexp.div": lambda a, b: max(1, a // b),
+        "gaexp.given": lambda value: value is not None,
         "gaexp.mul": lambda *xs: math.prod(xs),
         "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *(k for k in runtime_keys() if k not in OBJECTIVE_KEYS)],
     }

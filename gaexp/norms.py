@@ -93,7 +93,8 @@ NORMS: dict[str, Norm] = {
                 in_your_model="Batch Renorm in place of BatchNorm (training corrected towards the running "
                               "statistics)"),
     "bn_kmom": Norm(_lazy("gaexp.layers:kmom_batchnorm"), couples=True, options=KMomentumBNConfig),
-    "gn": Norm(_lazy("torch.nn:GroupNorm"), couples=False, options=GroupNormConfig),  # norm=gn norm.groups=8
+    "gn": Norm(lambda channels, groups: _lazy("torch.nn:GroupNorm", groups)(channels), couples=False,
+               options=GroupNormConfig),  # any group count: norm=gn norm.groups=8
 }
 ORDER = tuple(NORMS)  # the report's rows and panels (analysis.norm_order, when a study does not set it)
 

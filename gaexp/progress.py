@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from gaexp.redact import mask, reconnectable
 from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, runs_in_sweep, search_all
-from hydra_plugins.gaexp_optuna_sweeper import _progress as trials
-from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
-from hydra_plugins.gaexp_optuna_sweeper._progress import duration
+from hydra_plugins.gaexp_optuna_sweeper import tally as trials
+from hydra_plugins.gaexp_optuna_sweeper.tally import duration
+from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 
 # One core of the 2-core machine, compile=auto (the 60-cell grid and the ETA's figures, docs/results.md):
 # a micro-batch of b trains forward and backward in MICRO_S * b**BATCH_EXPONENT s, Adam's step takes STEP_S,

@@ -17,10 +17,11 @@ import optuna
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from gaexp import analysis, app, batches, data, progress
+from gaexp import analysis, batches, cell, data, progress
 from gaexp import train as train_module
-from gaexp.app import prepare, run_cell, threads_for
-from hydra_plugins.gaexp_optuna_sweeper._impl import open_storage
+from gaexp.callbacks import prepare, report_command
+from gaexp.cell import run_cell, threads_for
+from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 from tests.conftest import TINY
 from tests.test_batched import USER_NORM, USER_NORM_FILE
 
@@ -159,13 +160,13 @@ def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell
     assert run.info.run_name == "tiny-in_running-bs4a4-s1" and run.data.metrics["final_valid_acc"] == accuracy
     assert (run.data.tags["model"], run.data.tags["norm"]) == ("tiny", "in_running")
     assert run.data.params["norm.target"] == "torch.nn:InstanceNorm2d" and run.data.params["model.target"] == "tiny_nets:build"
-    norm = app.make_model(app.typed(cfg), 1, 10)[1]
+    norm = cell.make_model(cell.typed(cfg), 1, 10)[1]
     assert type(norm) is torch.nn.InstanceNorm2d and norm.affine and norm.track_running_stats
     bad = compose(*TINY, f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "norm=in_running", "+norm.params.nope=1",
                   outputs=tmp_path / "out")
     with pytest.raises(ValueError, match=r"^norm.target='torch.nn:InstanceNorm2d': building it for 32 channels with "
                                          r"\{.*'nope': 1\} fails: TypeError: "):
-        app.check(bad)
+        cell.check(bad)
 
 
 def test_a_batched_cell_is_its_own_run_and_records_the_loops_memory_beside_its_own(tmp_path, compose, monkeypatch):
@@ -202,9 +203,9 @@ def test_a_coupled_norm_of_ones_own_in_one_file_trains_under_both_engines_and_sh
     (tmp_path / "mine_bn.py").write_text(USER_NORM_FILE)
     monkeypatch.syspath_prepend(str(tmp_path))
     mine = ["norm=custom", f"norm.target={USER_NORM}", "norm.name=mean_bn", "train.num_iterations=3"]
-    for cell in (["norm=bn", "regime=bs16a1"], ["norm=bn", "regime=bs4a4"], [*mine, "regime=bs16a1"],
+    for overrides in (["norm=bn", "regime=bs16a1"], ["norm=bn", "regime=bs4a4"], [*mine, "regime=bs16a1"],
                  [*mine, "regime=bs4a4"]):
-        run_cell(prepared(compose(*TINY, "train.num_iterations=3", *cell, outputs=tmp_path)), sweep_id="s1")
+        run_cell(prepared(compose(*TINY, "train.num_iterations=3", *overrides, outputs=tmp_path)), sweep_id="s1")
     batched = prepared(compose(*TINY, *mine, "regime=bs4a4", "accumulate=batched", outputs=tmp_path))
     run_cell(batched, sweep_id="s2")
     client = MlflowClient(batched.mlflow.tracking_uri)
@@ -240,18 +241,18 @@ def test_a_layer_batched_cannot_chunk_is_refused_in_one_line_before_anything_run
     (tmp_path / "mine" / "norm").mkdir(parents=True)
     (tmp_path / "mine" / "norm" / "in_running.yaml").write_text(NORM_FILE)
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'mine'}]"
-    app.check(compose(*TINY, searchpath, *mean_norm, outputs=tmp_path / "out"))  # the loop runs any layer
+    cell.check(compose(*TINY, searchpath, *mean_norm, outputs=tmp_path / "out"))  # the loop runs any layer
     with pytest.raises(ValueError, match=r"^accumulate=batched: layer 'features.1' is a mine_norms.MeanNorm, not a "
                                          r"layer gaexp knows .*; run accumulate=loop$"):
         prepare(compose(*TINY, searchpath, *mean_norm, "accumulate=batched", outputs=tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing written
-    app.check(compose(*TINY, searchpath, "norm=in_running", "accumulate=batched", outputs=tmp_path / "out"))
+    cell.check(compose(*TINY, searchpath, "norm=in_running", "accumulate=batched", outputs=tmp_path / "out"))
 
 
 def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_ones(tmp_path, compose, monkeypatch):
     """The wiring from data.holdout to the loop: what `train` receives, and what the run records. Images are
     numbered (tests: 255 - j), so each split says which images it holds."""
-    cell = [*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=3", "data.holdout=16",
+    overrides = [*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=3", "data.holdout=16",
             *fake_dataset_overrides(tmp_path / "numbered", "mnist", "MNIST", numbered=True)]
     seen = {}
 
@@ -259,9 +260,9 @@ def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_one
         seen["train"], seen["valid"] = train_data.images[:, 0, 0, 0].tolist(), valid_data.images[:, 0, 0, 0].tolist()
         return real_train(model, train_data, valid_data, *args, **kwargs)
 
-    real_train = app.train
-    monkeypatch.setattr(app, "train", spy)
-    cfg = prepared(compose(*cell, outputs=tmp_path))
+    real_train = cell.train
+    monkeypatch.setattr(cell, "train", spy)
+    cfg = prepared(compose(*overrides, outputs=tmp_path))
     accuracy = run_cell(cfg, sweep_id="s")
     kept, held = (i.tolist() for i in batches.holdout_indices(64, 16))
     assert seen["valid"] == held and seen["train"] == kept  # never the test images (numbered 224 and up)
@@ -446,11 +447,11 @@ def test_deterministic_cuda_turns_on_deterministic_kernels_and_keeps_a_users_wor
               torch.backends.cudnn.benchmark)
     try:
         torch.backends.cudnn.benchmark = True
-        app.deterministic_cuda()
+        cell.deterministic_cuda()
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the smaller workspace cuBLAS also accepts
-        app.deterministic_cuda()
+        cell.deterministic_cuda()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
@@ -486,7 +487,7 @@ def test_the_report_command_a_sweep_prints_runs_as_printed(tmp_path, compose, ca
     cfg = prepared(compose(*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=2", outputs=tmp_path / "store"))
     run_cell(cfg, sweep_id="s1")
     design = OmegaConf.to_object(cfg.analysis)  # TINY: analysis.window_start=0
-    command = app.report_command("s1", design, cfg, {"dataset": "mnist"})
+    command = report_command("s1", design, cfg, {"dataset": "mnist"})
     assert command == (f"gaexp-report --tracking-uri {cfg.mlflow.tracking_uri} --experiment gaexp --sweep s1 "
                        "--dataset mnist --window-start 0")
     monkeypatch.chdir(tmp_path)

@@ -269,10 +269,18 @@ def test_the_docs_key_table_is_generated_from_the_schema():
     assert all(f"| `{key}` |" in block.group(1) for key in runtime_keys())
 
 
-LAYERS = ["machine", "redact", "config", "configdocs", "targets", "norms", "data", "imagefolder", "batches", "datasets", "hooks", "liveness", "layers", "model", "memory", "batched", "train", "check",
-          "tracking", "storegen", "server", "progress", "eta_replay", "tuning", "analysis",
-          "ui", "compare", "storebench",
-          "bench", "check_cli", "zoo", "gpucheck", "app", "__main__"]
+OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_sweeper"
+# Every module of gaexp and of its Hydra plugins, bottom first: each imports (at its top or inside a function) only
+# modules before it. The plugins' shared names and the trial side gaexp calls sit at the bottom; their sweepers and
+# launcher, which Hydra loads and nothing imports, at the top, above the app they never import.
+LAYERS = [f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
+          *(f"gaexp.{m}" for m in [
+              "machine", "redact", "config", "configdocs", "targets", "data", "imagefolder", "batches",
+              "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "train", "check",
+              "tracking", "cell", "storegen", "server", "progress", "eta_replay", "tuning", "analysis", "ui", "compare",
+              "storebench", "bench", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
+          f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher"]
+THE_APP = ("gaexp.app", "gaexp.callbacks", "gaexp.__main__")  # what no plugin imports
 
 
 def _without_main_block(tree: ast.Module) -> ast.Module:
@@ -285,20 +293,32 @@ def _without_main_block(tree: ast.Module) -> ast.Module:
     return tree
 
 
-def test_imports_point_down():
-    """Each module imports only gaexp modules below it (machine at the bottom, the app at the top)."""
-    package = REPO / "gaexp"
-    assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(LAYERS)
+def imported_modules(tree: ast.Module, known: list[str]) -> set[str]:
+    """The modules of `known` that `tree` imports, wherever (its top, a function): `import a.b`, `from a.b import
+    c` (a.b.c when that is a module), `from a import b`."""
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names |= {alias.name for alias in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            names |= {n.module} | {f"{n.module}.{alias.name}" for alias in n.names}
+    return {name for name in names if name in known}
+
+
+def test_imports_point_down_and_no_plugin_imports_the_app():
+    """Each module of gaexp and of its plugins imports only modules below it (LAYERS: no cycle, no upward
+    import), and no plugin imports the app."""
+    found = sorted([f"gaexp.{p.stem}" for p in (REPO / "gaexp").glob("*.py") if p.stem != "__init__"] +
+                   [f"hydra_plugins.{p.parent.name}.{p.stem}" for p in (REPO / "hydra_plugins").glob("gaexp_*/*.py")
+                    if p.stem != "__init__"])
+    assert found == sorted(LAYERS)
     for module in LAYERS:
-        tree = _without_main_block(ast.parse((package / f"{module}.py").read_text()))
-        imported = {alias.name.split(".")[1] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                    for alias in n.names if alias.name.startswith("gaexp.")}
-        imported |= {n.module.split(".")[1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                     and n.module and n.module.startswith("gaexp.")}
-        imported |= {alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "gaexp"
-                     for alias in n.names}
-        above = [m for m in imported if LAYERS.index(m) >= LAYERS.index(module)]
-        assert not above, f"gaexp/{module}.py imports {above}, which sit above it"
+        tree = _without_main_block(ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text()))
+        imported = imported_modules(tree, LAYERS)
+        above = sorted(m for m in imported if LAYERS.index(m) >= LAYERS.index(module))
+        assert not above, f"{module} imports {above}, which sit above it"
+        if module.startswith("hydra_plugins."):
+            assert not imported & set(THE_APP), f"{module} imports the app: {sorted(imported & set(THE_APP))}"
 
 
 @pytest.mark.parametrize("files, cpus", [

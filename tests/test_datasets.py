@@ -21,7 +21,8 @@ from torchvision.datasets import CIFAR10
 
 from gaexp import analysis, check_cli, datasets
 from gaexp.analysis import AnalysisError, collect, summarize
-from gaexp.app import PrepareCallback, check, prepare, run_cell
+from gaexp.callbacks import PrepareCallback, prepare
+from gaexp.cell import check, run_cell
 from gaexp.batches import micro_batches
 from gaexp.config import AnalysisConfig, RegimeConfig, TrainConfig, typed
 from gaexp.data import DataError, data_config

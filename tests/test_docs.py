@@ -24,8 +24,7 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 
 from gaexp import analysis, bench, check_cli, compare, datasets, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
-from gaexp.app import job_config
-from gaexp.config import composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
+from gaexp.config import job_config, composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
 
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from submitit.core.utils import UncompletedJobError
 
 from gaexp import liveness, tracking
-from gaexp.app import FAILED_MARKER
+from gaexp.config import FAILED_MARKER
 from gaexp.config import CONFIG_DIR
 from hydra_plugins.gaexp_grid_sweeper.submitit_launcher import SlurmLauncher, wait_for_every
 from hydra_plugins.gaexp_grid_sweeper.sweeper import GridSweeper, longest_first

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gaexp.app import guess_cells_at_once, launcher_warnings, threads_for
+from gaexp.callbacks import launcher_warnings
+from gaexp.cell import threads_for
 from gaexp.config import typed
 from gaexp.machine import usable_cores
 
@@ -156,32 +157,28 @@ def test_slurm_preset_reaches_sbatch_with_the_cluster_knobs(tmp_path, gaexp_comm
 
 
 def cells_and_threads(compose, *overrides: str) -> tuple:
-    """What a job under these overrides uses: the preset's cells_at_once (else the guess), and threads=auto."""
-    cfg = compose(*overrides, hydra=True)
-    c = typed(compose(*overrides))  # the job's config (no hydra node); ${hydra:...} resolves as in a job
-    cells = c.cells_at_once if c.cells_at_once is not None else guess_cells_at_once(cfg.hydra.launcher, cfg.hydra.sweeper)
-    return c.cells_at_once, cells, threads_for("auto", cells)
+    """What a job under these overrides uses: the launch config's cells_at_once, and threads=auto for it."""
+    compose(*overrides, hydra=True)  # the current HydraConfig: ${hydra:...} resolves as in a job
+    c = typed(compose(*overrides))
+    return c.cells_at_once, threads_for("auto", c.cells_at_once)
 
 
 CORES = (1, 2, 8, 16, 64)
-# (preset's cells_at_once, cells at once, torch threads per cell) on machines of 1, 2, 8, 16 and 64 usable cores:
+# (the launch config's cells_at_once, torch threads per cell) on machines of 1, 2, 8, 16 and 64 usable cores:
 # written out, not computed, so that a change of the rule shows here. threads x cells never exceeds the cores
-# (but for a cell's minimum of one thread), and no cell gets 0 threads (torch's default: every core).
+# (but for a cell's minimum of one thread), and no cell gets 0 threads (torch's default: every core) but one
+# alone. A launcher no launch config describes is warned about (below).
 PER_LAUNCHER = {
-    "one cell at a time": ([], [(None, None, 0)] * 5),
+    "one cell at a time": ([], [(None, 0)] * 5),
     "joblib preset, 3 jobs": (["launch=joblib", "hydra.launcher.n_jobs=3"],
-                              [(3, 3, 1), (3, 3, 1), (3, 3, 2), (3, 3, 5), (3, 3, 21)]),
-    "joblib preset, one job per core": (["launch=joblib"],
-                                        [(1, 1, 1), (2, 2, 1), (8, 8, 1), (16, 16, 1), (64, 64, 1)]),
-    "local preset": (["launch=local"], [(1, 1, 1), (2, 2, 1), (8, 8, 1), (16, 16, 1), (64, 64, 1)]),
+                              [(3, 1), (3, 1), (3, 2), (3, 5), (3, 21)]),
+    "joblib preset, one job per core": (["launch=joblib"], [(1, 1), (2, 1), (8, 1), (16, 1), (64, 1)]),
+    "local preset": (["launch=local"], [(1, 1), (2, 1), (8, 1), (16, 1), (64, 1)]),
     "local preset, 2 at once": (["launch=local", "hydra.sweeper.max_batch_size=2"],
-                                [(2, 2, 1), (2, 2, 1), (2, 2, 4), (2, 2, 8), (2, 2, 32)]),
-    "slurm preset": (["launch=slurm"], [(1, 1, 1), (1, 1, 2), (1, 1, 8), (1, 1, 16), (1, 1, 64)]),
+                                [(2, 1), (2, 1), (2, 4), (2, 8), (2, 32)]),
+    "slurm preset": (["launch=slurm"], [(1, 1), (1, 2), (1, 8), (1, 16), (1, 64)]),
     "ray preset, 2 CPUs a cell": (["launch=ray", "hydra.launcher.ray.remote.num_cpus=2"],
-                                  [(1, 1, 1), (1, 1, 2), (4, 4, 2), (8, 8, 2), (32, 32, 2)]),
-    "joblib plugin, 4 jobs (guessed)": (["hydra/launcher=joblib", "hydra.launcher.n_jobs=4"],
-                                        [(None, 4, 1), (None, 4, 1), (None, 4, 2), (None, 4, 4), (None, 4, 16)]),
-    "submitit_local plugin (unbounded)": (["hydra/launcher=submitit_local"], [(None, -1, 1)] * 5),
+                                  [(1, 1), (1, 2), (4, 2), (8, 2), (32, 2)]),
 }
 
 
@@ -206,13 +203,83 @@ def test_a_container_quota_bounds_the_presets(compose, machine, launcher):
 
 
 def test_launcher_warnings_name_the_fix(compose):
-    unbounded = launcher_warnings(compose("hydra/launcher=submitit_local", hydra=True))
-    assert unbounded == ["submitit_local starts every cell at once; bound it with launch=local "
-                         "or hydra.sweeper.max_batch_size=N"]
-    assert launcher_warnings(compose("launch=local", hydra=True)) == []
+    (undescribed,) = launcher_warnings(compose("hydra/launcher=submitit_local", hydra=True))
+    assert undescribed == ("hydra/launcher=submitit_local: no launch config says how many cells it runs at once, so "
+                           "each cell uses every core (threads=auto); use launch=<joblib, local, ray, slurm> "
+                           "(conf/launch/), or set cells_at_once=N (and hydra.sweeper.max_batch_size=N for a launcher "
+                           "that starts them all)")
+    assert launcher_warnings(compose("hydra/launcher=joblib", "cells_at_once=4", hydra=True)) == []
+    assert launcher_warnings(compose("launch=local", hydra=True)) == launcher_warnings(compose(hydra=True)) == []
     (shared_sqlite,) = launcher_warnings(compose("launch=slurm", hydra=True))
     assert "mlflow.tracking_uri=http://HOST:PORT" in shared_sqlite
     assert launcher_warnings(compose("launch=slurm", "mlflow.tracking_uri=http://mlflow.lab:5000", hydra=True)) == []
+    if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is not None:
+        assert launcher_warnings(compose("launch=ray", hydra=True)) == []  # a local Ray: the cells share this host
+        (joined,) = launcher_warnings(compose("launch=ray", "hydra.launcher.ray.init.address=ray://head:10001",
+                                              hydra=True))
+        assert joined == shared_sqlite
+
+
+# A launcher of one's own is one launch config (and, here, the class it names): submitit's local launcher, wrapped
+# to leave a mark of each batch it launches. The app is not told of it.
+LAUNCH_FILE = """
+# @package _global_
+# two cells at a time, each in its own process, through my_launchers.MarkingLocalLauncher
+defaults:
+  - override /hydra/launcher: submitit_local
+
+cells_at_once: 2
+
+hydra:
+  sweeper:
+    max_batch_size: 2
+  launcher:
+    _target_: my_launchers.MarkingLocalLauncher
+    timeout_min: 10
+"""
+LAUNCHER_MODULE = """
+from pathlib import Path
+
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher
+
+
+class MarkingLocalLauncher(LocalLauncher):
+    def launch(self, job_overrides, initial_job_idx):
+        mark = Path(self.config.hydra.sweep.dir) / "marks"
+        mark.mkdir(parents=True, exist_ok=True)
+        (mark / str(initial_job_idx)).write_text(str(len(job_overrides)))
+        return super().launch(job_overrides, initial_job_idx)
+"""
+
+
+def launcher_of_ones_own(tmp_path: Path) -> str:
+    (tmp_path / "mine" / "launch").mkdir(parents=True)
+    (tmp_path / "mine" / "launch" / "twice.yaml").write_text(LAUNCH_FILE)
+    (tmp_path / "my_launchers.py").write_text(LAUNCHER_MODULE)
+    return f"hydra.searchpath=[file://{tmp_path / 'mine'}]"
+
+
+def test_a_launcher_of_ones_own_is_one_launch_config(compose, machine, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    searchpath = launcher_of_ones_own(tmp_path)
+    machine(8)
+    assert cells_and_threads(compose, searchpath, "launch=twice") == (2, 4)
+    assert launcher_warnings(compose(searchpath, "launch=twice", hydra=True)) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_through_a_launcher_of_ones_own(tmp_path, gaexp_command, training_runs):
+    searchpath = launcher_of_ones_own(tmp_path)
+    proc = gaexp_command(tmp_path, searchpath, "launch=twice", "norm=gn4,none", "regime=bs4a4", HOLDOUT,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                                                        os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no launch config says" not in proc.stderr
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    assert {p.name: p.read_text() for p in (sweep / "marks").iterdir()} == {"0": "2"}  # one batch of both cells
+    _, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    assert sorted(runs) == ["gn4-bs4a4-s1", "none-bs4a4-s1"] and all(r.info.status == "FINISHED" for r in runs.values())
+    assert {r.data.tags["threads"] for r in runs.values()} == {str(threads_for("auto", 2))}
 
 
 @pytest.mark.slow

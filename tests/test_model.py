@@ -9,7 +9,8 @@ import re
 import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock
 
-from gaexp.app import check, make_model
+from gaexp.cell import check
+from gaexp.model import make_model
 from gaexp.config import typed
 from gaexp.model import ResNet20, SimpleModel, load, norm_channels
 from gaexp.targets import TargetError

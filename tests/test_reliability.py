@@ -13,7 +13,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
-from gaexp.app import prepare, threads_for
+from gaexp.callbacks import prepare
+from gaexp.cell import threads_for
 from gaexp.data import data_config, raw_dir
 
 MD5 = data_config("mnist").files
@@ -92,7 +93,7 @@ def test_a_failing_cell_fails_alone_and_the_sweep_says_so(tmp_path, gaexp_comman
 
 @pytest.mark.slow
 def test_parallel_jobs_on_a_fresh_store_lose_nothing(tmp_path, gaexp_command, training_runs):
-    proc = gaexp_command(tmp_path, "norm=gn4,none", "regime=bs16a1,bs4a4", "seed=1", "hydra/launcher=joblib",
+    proc = gaexp_command(tmp_path, "norm=gn4,none", "regime=bs16a1,bs4a4", "seed=1", "launch=joblib",
                          "hydra.launcher.n_jobs=4", HOLDOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
@@ -100,7 +101,7 @@ def test_parallel_jobs_on_a_fresh_store_lose_nothing(tmp_path, gaexp_command, tr
     for run in runs.values():
         for metric in ("valid_acc", "train_loss"):
             assert [m.step for m in client.get_metric_history(run.info.run_id, metric)] == [2, 4]
-        # threads=auto with 4 jobs (guessed: no launch preset): the cores shared by 4, at least 1 (tests/test_launch.py)
+        # threads=auto with 4 jobs (the launch config's cells_at_once): the cores shared by 4, at least 1
         assert run.data.tags["threads"] == str(threads_for("auto", 4))
 
 

@@ -20,10 +20,13 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from gaexp import app, progress, tuning
+from gaexp import callbacks, cell, progress, tuning
+from gaexp.config import job_config
 from hydra_plugins.gaexp_optuna_sweeper import _impl as sweeper
 from hydra_plugins.gaexp_optuna_sweeper.config import PRUNERS, SAMPLERS
-from hydra_plugins.gaexp_optuna_sweeper._impl import make_pruner, make_sampler, open_storage, split_arguments
+from hydra_plugins.gaexp_optuna_sweeper import trials
+from hydra_plugins.gaexp_optuna_sweeper._impl import make_sampler, split_arguments
+from hydra_plugins.gaexp_optuna_sweeper.trials import make_pruner, open_storage
 from tests.conftest import kill_when
 
 
@@ -176,7 +179,7 @@ def test_a_gaexp_search_refuses_to_minimize_the_accuracy(compose, tmp_path):
                   outputs=tmp_path, hydra=True)
     with pytest.raises(ValueError, match=r"hydra.sweeper.direction=minimize: a gaexp trial returns a validation "
                                          r"accuracy .*; valid: hydra.sweeper.direction=maximize"):
-        app.prepare(cfg)
+        callbacks.prepare(cfg)
     assert not (tmp_path / "mlflow.db").exists()  # refused before anything is written
 
 
@@ -330,16 +333,16 @@ def test_repeats_report_their_mean_to_the_pruner_once_each_has_reported_the_step
     study = optuna.create_study(study_name="s", storage=open_storage(storage), direction="maximize")
     study.set_user_attr(sweeper.PRUNER, {"_target_": "optuna.pruners.ThresholdPruner", "lower": 0.5})
     trial = study.ask()
-    first, second = (sweeper.open_trial(storage, "s", trial.number) for _ in range(2))
-    sweeper.report(first, 0, 2, 10, 0.2)
+    first, second = (trials.open_trial(storage, "s", trial.number) for _ in range(2))
+    trials.report(first, 0, 2, 10, 0.2)
     assert study.trials[0].intermediate_values == {} and not first.should_prune()  # one repeat of two: no value yet
-    sweeper.report(second, 1, 2, 10, 0.6)
+    trials.report(second, 1, 2, 10, 0.6)
     assert study.trials[0].intermediate_values == {10: pytest.approx(0.4)}
     assert second.should_prune()  # the mean 0.4 < 0.5 (its own 0.6 would go on): it stops
-    sweeper.report(first, 0, 2, 20, 0.9)
+    trials.report(first, 0, 2, 20, 0.9)
     assert study.trials[0].intermediate_values == {10: pytest.approx(0.4)}  # step 20: repeat 1 stopped before it
     assert first.should_prune()  # at its next evaluation the other repeat stops too, on the mean at step 10
-    sweeper.report(second, 1, 2, 20, 0.3)
+    trials.report(second, 1, 2, 20, 0.3)
     assert study.trials[0].intermediate_values == {10: pytest.approx(0.4), 20: pytest.approx(0.6)}
 
 
@@ -553,7 +556,7 @@ def test_the_search_file_names_its_sweeper_and_a_trials_rerun_composes_with_the_
         "tune_lr", "bn,in,gn4", "maximize")
     assert OmegaConf.to_container(cfg.hydra.sweeper.repeats) == {"seed": [1, 2]}
     assert (cfg.hydra.sweeper.sampler.n_startup_trials, cfg.hydra.sweeper.n_trials) == (8, 16)
-    assert app.check(app.job_config(cfg)).accumulate == "batched"
+    assert cell.check(job_config(cfg)).accumulate == "batched"
     assert compose(hydra=True).hydra.sweeper._target_.endswith("GridSweeper")
     rerun = compose("+experiment=tune_lr", "norm=bn", "train.lr=0.002", "seed=3", "data.holdout=0",
                     "hydra/sweeper=gaexp_grid", hydra=True)

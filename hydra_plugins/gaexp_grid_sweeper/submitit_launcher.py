@@ -7,7 +7,7 @@ each task that ends without a result into a failed cell as soon as it has ended,
 (gaexp.app.main):
 
 - a FAILED.txt in its job folder with the reason, `SLURM job 1234_5 ended CANCELLED`, which the failure summary
-  lists (gaexp.app.FailuresCallback);
+  lists (gaexp.callbacks.FailuresCallback);
 - its MLflow run, left RUNNING by the killed task, marked KILLED with the reason as `gaexp.killed_reason`, at once,
   by gaexp.tracking.mark_stale_runs (the cluster's accounting), or by the state submitit saw where the
   accounting does not say yet;
@@ -140,7 +140,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         folder = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
         folder.mkdir(parents=True, exist_ok=True)
-        from gaexp.app import FAILED_MARKER
+        from gaexp.config import FAILED_MARKER
 
         (folder / FAILED_MARKER).write_text(reason)
         log.error("%s: %s, without a result; counted as a failed cell", " ".join(filter_overrides(overrides)), reason)

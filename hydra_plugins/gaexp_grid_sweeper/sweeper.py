@@ -51,9 +51,10 @@ def cost_of(cfg: DictConfig) -> Tuple[float, FrozenSet[Tuple[str, ...]]]:
 
 
 def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Every check the cell's job would make before training (gaexp.app.check), here, before anything of the
+    """Every check the cell's job would make before training (gaexp.cell.check), here, before anything of the
     sweep is recorded; a bad value in a swept axis ends the command with one line naming the cell."""
-    from gaexp.app import check, job_config  # the application's own checks; gaexp.app is loaded when it sweeps
+    from gaexp.cell import check  # the cell's own checks; gaexp loads when a sweep runs
+    from gaexp.config import job_config
 
     try:
         check(job_config(cfg))

@@ -39,36 +39,14 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
-from hydra_plugins.gaexp_optuna_sweeper import _progress as progress
-from hydra_plugins.gaexp_optuna_sweeper.config import DIRECTIONS
-from hydra_plugins.gaexp_optuna_sweeper.sweeper import RESULTS
+from hydra_plugins.gaexp_optuna_sweeper import tally as progress
+from hydra_plugins.gaexp_optuna_sweeper.config import (CURVE, DIRECTIONS, HEARTBEAT, PROTOCOL, PRUNER, REPEATS, RESULTS,
+                                                       SweeperError)
+from hydra_plugins.gaexp_optuna_sweeper.trials import make, make_pruner, open_storage
 
 log = logging.getLogger(__name__)
 FORMS = ("choice(a, b, ...) or a,b,..., interval(a, b), int(interval(a, b)), tag(log, interval(a, b)), "
          "range(a, b, step) or a fixed value")
-PROTOCOL = "gaexp.protocol"  # a study's user attribute: the config it was created for
-PRUNER = "gaexp.pruner"  # a study's user attribute: the sweeper's pruner node, which its trials' jobs prune with
-HEARTBEAT = "gaexp.heartbeat"  # a trial's system attribute: its sweep's last beat, time.time() (journal storages)
-REPEATS = "gaexp.repeats"  # a trial's user attribute: each repeat's overrides and value
-CURVE = "gaexp.reports."  # + the repeat's index: a trial's user attribute, that repeat's reports {step: value}
-
-
-class SweeperError(HydraException):
-    """Bad sweeper input: one line naming the value and what is valid."""
-
-
-def open_storage(storage: str, heartbeat_interval: Optional[float] = None, grace_period: Optional[float] = None,
-                 failed_trial_callback: Any = None) -> optuna.storages.BaseStorage:
-    """An RDB URL (it has ://) as Optuna's RDBStorage, with its heartbeat when an interval is given;
-    anything else is a journal file, safe for several processes."""
-    if "://" in storage:
-        beat = {} if heartbeat_interval is None else dict(
-            heartbeat_interval=max(1, math.ceil(heartbeat_interval)),
-            grace_period=None if grace_period is None else max(1, math.ceil(grace_period)),
-            failed_trial_callback=failed_trial_callback)
-        return optuna.storages.RDBStorage(storage, **beat)
-    Path(storage).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
 
 
 def parse(key: str, value: str) -> Override:
@@ -152,32 +130,12 @@ def grid_points(space: Dict[str, BaseDistribution]) -> Dict[str, list]:
     return values
 
 
-def make(node: Any, where: str, kind: type, **filled: Any) -> Any:
-    """A sampler or pruner from its config node (`_target_` and options), or one line naming what is wrong."""
-    target = OmegaConf.select(node, "_target_") if isinstance(node, DictConfig) else None
-    try:
-        made = instantiate(node, **filled)
-    except Exception as e:  # noqa: BLE001 - Hydra wraps the constructor's error; its cause is what to show
-        cause = e.__cause__ or e
-        why = " ".join(str(cause).split()) or type(cause).__name__
-        raise SweeperError(f"{where} ({target}): {why}; valid: its class's options at their types "
-                           f"(docs/tuning.md)") from None
-    if not isinstance(made, kind):
-        raise SweeperError(f"{where}._target_={target!r} is no {kind.__module__}.{kind.__name__}; valid: "
-                           f"hydra/{where.replace('hydra.', '').replace('.', '/')}=<a name of its group>")
-    return made
-
-
 def make_sampler(node: Any, space: Dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
     """The sampler of a study; the grid sampler's points, if not given, are the searched keys' values."""
     filled = {}
     if str(OmegaConf.select(node, "_target_")).endswith("GridSampler") and node.get("search_space") is None:
         filled["search_space"] = grid_points(space)
     return make(node, "hydra.sweeper.sampler", optuna.samplers.BaseSampler, **filled)
-
-
-def make_pruner(node: Any) -> optuna.pruners.BasePruner:
-    return make(node, "hydra.sweeper.pruner", optuna.pruners.BasePruner)
 
 
 def trial_value(ret: Any) -> Tuple[TrialState, Optional[float]]:
@@ -533,31 +491,3 @@ def summary(study: optuna.Study, before: int, ran: Sequence[TrialState]) -> Dict
     mine = [s.name for s in ran]
     return {"best": best, "states": {s: states.count(s) for s in sorted(set(states))}, "before": before,
             "ran": {s: mine.count(s) for s in sorted(set(mine))}}
-
-
-def open_trial(storage: str, study_name: str, number: int) -> optuna.Trial:
-    """Trial `number` of a study, from a job's process: to report intermediate values and ask whether to
-    prune, with the pruner the sweeper configured (kept in the study's user attributes)."""
-    backend = optuna.storages.get_storage(open_storage(storage))
-    trial_id = backend.get_trial_id_from_study_id_trial_number(backend.get_study_id_from_name(study_name), number)
-    study = optuna.load_study(study_name=study_name, storage=backend)
-    study.pruner = make_pruner(OmegaConf.create(study.user_attrs.get(PRUNER, {"_target_": "optuna.pruners.NopPruner"})))
-    return optuna.Trial(study, trial_id)
-
-
-def report(trial: optuna.Trial, repeat: int, repeats: int, step: int, value: float) -> None:
-    """A job's evaluation at `step`, told to its trial. With several repeats the trial's value at a step is
-    their mean, reported once all of them have reported the step: each repeat records its own reports, then
-    reads the others' (the last to record a step sees them all)."""
-    if repeats == 1:
-        trial.report(value, step)
-        return
-    storage, key = trial.study._storage, f"{CURVE}{repeat}"
-    mine = dict(storage.get_trial(trial._trial_id).user_attrs.get(key, {}))
-    storage.set_trial_user_attr(trial._trial_id, key, mine | {str(step): value})
-    frozen: FrozenTrial = storage.get_trial(trial._trial_id)
-    curves = [frozen.user_attrs.get(f"{CURVE}{r}", {}) for r in range(repeats)]
-    means = {int(done): sum(c[done] for c in curves) / repeats for done in set.intersection(*(set(c) for c in curves))}
-    for done in sorted(set(means) - set(frozen.intermediate_values)):
-        storage.set_trial_intermediate_value(trial._trial_id, done, means[done])
-    trial._cached_frozen_trial.intermediate_values.update(means)  # what should_prune reads

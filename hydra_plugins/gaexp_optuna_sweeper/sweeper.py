@@ -10,7 +10,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-RESULTS = "optimization_results.yaml"  # written into the sweep folder: every study's best trial and counts
+from hydra_plugins.gaexp_optuna_sweeper.config import SweeperError
 
 
 class OptunaSweeper(Sweeper):
@@ -19,16 +19,14 @@ class OptunaSweeper(Sweeper):
 
         try:
             self.sweeper: Optional[_impl.OptunaSweeperImpl] = _impl.OptunaSweeperImpl(**settings)
-        except _impl.SweeperError as e:  # bad settings: one line, before any trial
+        except SweeperError as e:  # bad settings: one line, before any trial
             raise SystemExit(f"error: {e}") from None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.sweeper.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> None:
-        from hydra_plugins.gaexp_optuna_sweeper import _impl
-
         try:
             self.sweeper.sweep(arguments)
-        except _impl.SweeperError as e:
+        except SweeperError as e:
             raise SystemExit(f"error: {e}") from None

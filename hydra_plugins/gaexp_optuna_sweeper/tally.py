@@ -6,10 +6,9 @@ in each of its studies' user attributes (`PLAN` + the sweep's id: the studies, t
 n_jobs, when it started and ended) and marks each trial it asks with the sweep's id (`SWEEP`), so a study that other
 commands add trials to at the same time is counted for this command alone.
 
-Imports Optuna and tqdm only: it is loaded when a sweep starts, never by Hydra's plugin scan.
+Public, read by gaexp-status too, and light: Hydra's plugin scan imports it, so Optuna and tqdm load only when
+a function here runs.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import logging
@@ -18,11 +17,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TextIO
 
-import optuna
-from optuna.trial import FrozenTrial, TrialState
-from tqdm import tqdm
+if TYPE_CHECKING:
+    import optuna
+
+    from optuna.trial import FrozenTrial
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 PLAN = "gaexp.sweep_plan."  # + the sweep's id: a study's user attribute, that command's plan
@@ -50,8 +51,10 @@ class Tally:
     eta_s: Optional[float]  # None before a trial ended
 
 
-def study_tally(name: str, mine: Sequence[FrozenTrial], planned: int, direction: str) -> StudyTally:
+def study_tally(name: str, mine: "Sequence[FrozenTrial]", planned: int, direction: str) -> StudyTally:
     """Pure: one study's tally from the trials a sweep asked of it (`sweep_trials`)."""
+    from optuna.trial import TrialState
+
     counts = dict.fromkeys(STATES, 0)
     for t in mine:
         counts[{TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}.get(
@@ -105,9 +108,11 @@ def summary_line(t: Tally) -> str:
     return line + f"; elapsed {duration(t.elapsed_s)}, ETA {duration(t.eta_s)}"
 
 
-def ended_line(study: str, trial: FrozenTrial) -> str:
+def ended_line(study: str, trial: "FrozenTrial") -> str:
     """'trial 3 PRUNED at step 600 (1m12s)', 'trial 4 COMPLETE, value 0.9812 (2m01s)', with the study's
     name when the sweep has several."""
+    from optuna.trial import TrialState
+
     what = {TrialState.COMPLETE: f"COMPLETE, value {trial.value:.4f}" if trial.value is not None else "COMPLETE",
             TrialState.PRUNED: f"PRUNED at step {trial.last_step}" if trial.last_step is not None else "PRUNED",
             TrialState.FAIL: "FAILED"}.get(trial.state, trial.state.name)
@@ -116,14 +121,19 @@ def ended_line(study: str, trial: FrozenTrial) -> str:
     return f"{study + ' ' if study else ''}trial {trial.number} {what} ({duration(took)})"
 
 
-def sweep_trials(storage: optuna.storages.BaseStorage, plan: Dict[str, Any], sweep_id: str) -> Dict[str, List[FrozenTrial]]:
+def sweep_trials(storage: "optuna.storages.BaseStorage", plan: Dict[str, Any],
+                 sweep_id: str) -> "Dict[str, List[FrozenTrial]]":
     """Each of the plan's studies' trials asked by `sweep_id`."""
+    import optuna
+
     return {name: [t for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
                    if t.user_attrs.get(SWEEP) == sweep_id] for name in plan["studies"]}
 
 
-def plan_tally(plan: Dict[str, Any], trials: Dict[str, List[FrozenTrial]], now: float) -> Tally:
+def plan_tally(plan: Dict[str, Any], trials: "Dict[str, List[FrozenTrial]]", now: float) -> Tally:
     """Pure: `tally` of the plan's studies from their trials (`sweep_trials`), at its end if it ended."""
+    from optuna.trial import TrialState
+
     now = min(now, plan.get("ended") or now)
     studies = [study_tally(name, trials[name], planned, plan["direction"])
                for name, planned in zip(plan["studies"], plan["trials"])]
@@ -133,9 +143,11 @@ def plan_tally(plan: Dict[str, Any], trials: Dict[str, List[FrozenTrial]], now: 
     return dataclasses.replace(t, eta_s=0.0) if plan.get("ended") else t
 
 
-def sweep_tally(storage: optuna.storages.BaseStorage, study_name: str, sweep_id: str,
+def sweep_tally(storage: "optuna.storages.BaseStorage", study_name: str, sweep_id: str,
                 now: Optional[float] = None) -> Optional[Tally]:
     """The tally of `sweep_id` from the plan it recorded in `study_name` (None: it recorded none there)."""
+    import optuna
+
     plan = optuna.load_study(study_name=study_name, storage=storage).user_attrs.get(PLAN + sweep_id)
     if plan is None:
         return None
@@ -147,7 +159,7 @@ class Live:
     terminal (Optuna's own `show_progress_bar` is one per study and shows no pruning), else a line per ended
     trial with the totals. A failed read (the storage busy) waits for the next poll; the sweep goes on."""
 
-    def __init__(self, storage: optuna.storages.BaseStorage, plan: Dict[str, Any], sweep_id: str, every: float = 10.0,
+    def __init__(self, storage: "optuna.storages.BaseStorage", plan: Dict[str, Any], sweep_id: str, every: float = 10.0,
                  bar: Optional[bool] = None, out: Optional[TextIO] = None, clock: Callable[[], float] = time.time) -> None:
         self.storage, self.plan, self.sweep_id, self.every, self.clock = storage, plan, sweep_id, every, clock
         self.out = out or sys.stdout  # printed: the jobs of an in-process launcher reconfigure logging
@@ -155,10 +167,12 @@ class Live:
         self.seen: set = set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.loop, name="gaexp-optuna-progress", daemon=True)
-        self.tqdm: Optional[tqdm] = None
+        self.tqdm: "Optional[tqdm]" = None
 
     def __enter__(self) -> "Live":
         if self.bar:
+            from tqdm import tqdm
+
             self.tqdm = tqdm(total=sum(self.plan["trials"]), dynamic_ncols=True,
                              bar_format="{percentage:3.0f}% |{bar:16}| {desc}")
         self.thread.start()

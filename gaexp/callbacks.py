@@ -1,0 +1,163 @@
+"""Hydra's callbacks around a command (conf/config.yaml names them): the store and data made ready before any
+job, and when a multirun ends the sweep's report, its Optuna studies in MLflow, and the exit naming failed cells.
+
+They run in the launching process; Hydra also carries them to each job, so the analysis and the study reports
+(matplotlib, scipy, Optuna) are imported only where a multirun ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shlex
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra_plugins.gaexp_optuna_sweeper.config import RESULTS
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from gaexp import datasets, redact, tracking, trial
+from gaexp.cell import check
+from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, job_config
+
+log = logging.getLogger("gaexp.app")
+
+
+def is_search(cfg: DictConfig) -> bool:
+    """Whether this command's sweeper is gaexp's Optuna sweeper (only a callback's config has `hydra`)."""
+    return "gaexp_optuna" in str(OmegaConf.select(cfg, "hydra.sweeper._target_", default=""))
+
+
+def prepare(cfg: DictConfig) -> str:
+    """Check the input, then data and MLflow store; returns the experiment id. Writes nothing on bad input."""
+    c = check(job_config(cfg))
+    if is_search(cfg):  # before any trial
+        trial.check_objective(c.train.num_iterations, c.analysis)
+        trial.check_direction(cfg.hydra.sweeper.direction)
+    tracking.check_server(c.mlflow.tracking_uri)
+    datasets.fetch(c.data)  # files and their MD5s, a download: ready before any job
+    datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is recorded
+    experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
+    client = MlflowClient(c.mlflow.tracking_uri)
+    for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
+        log.warning("marked KILLED: %s", run)
+    return experiment_id
+
+
+class PrepareCallback(Callback):
+    """Runs in the launching process, once per command, so jobs find a ready store and data.
+
+    Bad input stops the whole command here with one line: Hydra turns a
+    callback's exceptions into warnings, but lets SystemExit through.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.on_multirun_start(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)  # as in a job: ${hydra:...} (conf/launch/) resolves
+        redact.mask_logs()  # a storage URL's password never reaches the terminal or the sweep's log
+        try:
+            prepare(config)
+        except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
+            raise SystemExit(f"error: {e}") from None
+        for warning in launcher_warnings(config):
+            log.warning(warning)
+
+
+def launcher_warnings(config: DictConfig) -> list[str]:
+    """What the launch config leaves unsaid or gets wrong, and that works but hurts: a launcher no launch config
+    describes (how many cells it runs at once, so threads=auto gives each cell torch's default: every core),
+    and SQLite written by cells on other hosts."""
+    warnings = []
+    launcher = OmegaConf.select(config, "hydra.runtime.choices.hydra/launcher", default="basic")
+    if config.cells_at_once is None and launcher != "basic":  # basic: one cell after another, in this process
+        presets = ", ".join(sorted(p.stem for p in (Path(CONFIG_DIR) / "launch").glob("*.yaml")))
+        warnings.append(f"hydra/launcher={launcher}: no launch config says how many cells it runs at once, so "
+                        f"each cell uses every core (threads=auto); use launch=<{presets}> (conf/launch/), or set "
+                        "cells_at_once=N (and hydra.sweeper.max_batch_size=N for a launcher that starts them all)")
+    if config.cells_elsewhere and config.mlflow.tracking_uri.startswith("sqlite:"):
+        warnings.append(f"cluster jobs writing to {config.mlflow.tracking_uri}: SQLite on a shared file system "
+                        "locks and can corrupt; start an MLflow server and set mlflow.tracking_uri=http://HOST:PORT "
+                        "(docs/cluster.md)")
+    return warnings
+
+
+class FailuresCallback(Callback):
+    """Last thing a multirun does: exit non-zero naming the failed cells, if any.
+
+    Listed first in conf/config.yaml because Hydra runs end-callbacks in reverse order.
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failures = sorted(Path(config.hydra.sweep.dir).glob(f"*/{FAILED_MARKER}"))
+        if failures:
+            lines = [f"  {p.parent.name}: {p.read_text().strip()}" for p in failures]
+            raise SystemExit(f"error: {len(failures)} cell(s) failed, the others ran:\n" + "\n".join(lines))
+
+
+class ReportCallback(Callback):
+    """When a multirun ends: the analysis report of this sweep (design: the `analysis` node), as files
+    and as an MLflow run."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if (Path(config.hydra.sweep.dir) / RESULTS).is_file():
+            return  # a tuning sweep: its trials are no grid (StudiesCallback reports it)
+        from gaexp import analysis  # pandas, scipy, matplotlib: here, where the multirun ends, not in each job
+
+        sweep_id = Path(config.hydra.sweep.dir).name
+        out = Path(config.paths.outputs) / "reports" / sweep_id
+        design: AnalysisConfig = OmegaConf.to_object(config.analysis)
+        try:
+            made = analysis.report_each_part(config.mlflow.tracking_uri, config.mlflow.experiment_name, sweep_id,
+                                             design, out)
+        except analysis.AnalysisError as e:
+            log.warning("no report for sweep %s: %s (rerun: %s)", sweep_id, e, report_command(sweep_id, design, config))
+            return
+        client = MlflowClient(config.mlflow.tracking_uri)
+        experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
+        for part, label, summary, written in made:
+            name = f"report-{sweep_id}" + (f"-{label}" if label else "")
+            if isinstance(summary, analysis.AnalysisError):
+                log.warning("no report for sweep %s on %s: %s (rerun: %s)", sweep_id, ", ".join(part.values()), summary,
+                            report_command(sweep_id, design, config, part))
+                continue
+            tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, **part}
+            with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
+                tracking.log_params(client, run_id, {"analysis": dataclasses.asdict(design)})  # margin, window...
+                for path in written:
+                    client.log_artifact(run_id, str(path))
+            log.info("report of sweep %s in %s and MLflow run %s\n%s", sweep_id, written[0].parent, name,
+                     analysis.format_table(summary))
+
+
+def report_command(sweep_id: str, design: AnalysisConfig, config: DictConfig, part: dict | None = None) -> str:
+    """The gaexp-report command that rebuilds this sweep's report as the sweep made it: its store, experiment,
+    part and the design keys the command takes where they differ from its default study's."""
+    from gaexp import analysis
+
+    words = ["gaexp-report", "--tracking-uri", config.mlflow.tracking_uri, "--experiment", config.mlflow.experiment_name,
+             "--sweep", sweep_id, *(w for k, v in (part or {}).items() for w in (f"--{k}", v))]
+    default = analysis.load_study("spec")
+    words += [w for name in ("window_start", "margin") if getattr(design, name) != getattr(default, name)
+              for w in (f"--{name.replace('_', '-')}", f"{getattr(design, name):g}")]
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+class StudiesCallback(Callback):
+    """When a gaexp_optuna sweep ends: a parent run per study with the best trial and Optuna's plots,
+    its trials' runs nested under it."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        results = Path(config.hydra.sweep.dir) / RESULTS
+        if not results.is_file():
+            return  # not a tuning sweep
+        from gaexp import tuning  # Optuna and its plots: only where a search ends
+
+        client = MlflowClient(config.mlflow.tracking_uri)
+        experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
+        for name in tuning.report_studies(client, experiment_id, results, OmegaConf.to_object(config.analysis)):
+            log.info("study %s: parent run study-%s", name, name)

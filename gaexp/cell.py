@@ -1,0 +1,203 @@
+"""One cell of the grid, in one pass down the layers: its config checked, its data and model built, trained and
+tracked as one MLflow run (or skipped, already FINISHED). gaexp/app.py runs it as a Hydra job; the sweepers
+check every cell with `check` before any runs.
+
+It imports neither the analysis nor Optuna: a trial's reporting is gaexp/trial.py, which loads Optuna only
+for a trial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+from gaexp import datasets, norms, redact, tracking, trial
+from gaexp.batched import coupled_layers
+from gaexp.batches import Split
+from gaexp.config import Config, RegimeConfig, require, typed
+from gaexp.data import raw_dir
+from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
+from gaexp.machine import usable_cores
+from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
+from gaexp.model import check_model, make_model
+from gaexp.train import compile_phases, resolve_device, train
+
+log = logging.getLogger("gaexp.app")
+
+
+def check(cfg: DictConfig) -> Config:
+    """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
+    ranges (gaexp/config.py), the model against the data's shape and classes and the norm's options against
+    the model (e.g. norm.groups against its channels), a compile that cannot run, a model accumulate=batched
+    cannot chunk, and for a search an objective without a value."""
+    c = typed(cfg)
+    model = check_model(c, *datasets.describe(c.data))
+    device = resolve_device(c.device)
+    require("device_type", c.device_type, c.device_type == device.type,
+            f"{device.type}, what device={c.device} is here (leave device_type to the run)")
+    compile_phases(c.compile, c.norm.name, device)
+    if c.accumulate == "batched":  # a layer it cannot chunk exactly is refused here, not run approximately
+        coupled_layers(model)
+    if c.optuna.study is not None:  # a trial: what it will return must exist
+        trial.check_objective(c.train.num_iterations, c.analysis)
+    return c
+
+
+def threads_for(setting: int | str, cells: int | None, cores: int | None = None) -> int:
+    """torch threads per run: `auto` makes cells x threads = cores (0 keeps torch's default)."""
+    if setting != "auto":
+        return int(setting)
+    if not cells:
+        return 0  # one cell at a time: torch's default uses every core
+    cores = cores or usable_cores()
+    jobs = cells if cells > 0 else max(1, cores + 1 + cells)  # joblib: -1 = all cores, -2 = all but one
+    return max(1, cores // jobs)
+
+
+def deterministic_cuda() -> None:
+    """CUDA as repeatable as PyTorch makes it: deterministic kernels where they exist (an op without one
+    warns, naming itself, in the cell's log), the cuBLAS workspace they need, no cuDNN autotuning. The
+    workspace setting is read when cuBLAS starts, so it is set before the first CUDA matmul of the process
+    (a value the user set is kept)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+# --- one cell, in named steps -----------------------------------------------------------------------
+
+def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Config, sweep_id: str) -> Run | None:
+    """The FINISHED run of the same protocol, now also counted in this sweep; None: the cell must run."""
+    done = None if c.rerun else tracking.find_finished(client, experiment_id, key)
+    if done is not None:
+        tracking.add_to_sweep(client, done, sweep_id)  # so this sweep's report includes it
+        log.info("%s: skipped, already FINISHED as run %s (rerun=true to run it again)", c.run_name, done.info.run_id)
+    return done
+
+
+def build(c: Config, dataset: datasets.Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
+    """The data on `device` (validation: the test set, or images held out of training), and the model for its
+    shape and classes, initialized from the seed."""
+    train_data, valid_data = datasets.splits(dataset, c.data.holdout, device)
+    torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
+    model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
+    return model.to(device, memory_format=torch.channels_last), train_data, valid_data
+
+
+def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
+                   device: torch.device) -> dict[str, float]:
+    """MiB autograd saves for one micro-batch (`activation_mb`: what the loop holds, whichever engine runs:
+    the study's memory column) and, for accumulate=batched, for the b*k samples of a step
+    (`batched_activation_mb`); then the process peaks start from here."""
+    b, n = regime.batch_size, regime.batch_size * regime.num_accum
+    memory = {"activation_mb": activation_bytes(model, data.inputs(slice(0, b)), data.labels[:b]) / 2**20}
+    if engine == "batched":
+        memory["batched_activation_mb"] = activation_bytes(model, data.inputs(slice(0, n)), data.labels[:n]) / 2**20
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return memory
+
+
+def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
+                    valid_data: Split, meta: datasets.Meta, device: torch.device, memory: dict[str, float],
+                    client: MlflowClient,
+                    experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None) -> float:
+    """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
+    value `returned_value` gives. `bar`: a tqdm bar
+    over the steps; None: on a terminal; False: a log line per evaluation). A trial
+    reports each evaluation to its study; when pruned, its run ends KILLED and `Stopped` is raised (the
+    app tells the sweeper)."""
+    compiled = compile_phases(c.compile, c.norm.name, device)
+    tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
+            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "accumulate": c.accumulate,
+            "sweep_id": sweep_id,
+            tracking.SWEEPS: sweep_id, "protocol_key": key,
+            "device": device.type, "threads": torch.get_num_threads(),
+            "compiled": ",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
+            **trial.trial_tags(c.optuna)}
+    reporting = [trial.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
+    try:
+        with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
+            tracking.log_params(client, run_id, resolved)
+            if meta.digest is None:  # an idx dataset: its verified files
+                tracking.log_data_inputs(client, run_id, c.data.dataset, raw_dir(c.data), c.data.files,
+                                         c.data.holdout, len(train_data), len(valid_data))
+            else:
+                tracking.log_content_inputs(client, run_id, dataclasses.asdict(meta), resolved["data"],
+                                            len(train_data), len(valid_data))
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "config.yaml").write_text(redact.mask(OmegaConf.to_yaml(resolved)))
+                client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
+            if hydra_dir is not None and hydra_dir.is_dir():
+                tracking.log_masked_artifacts(client, run_id, hydra_dir, "hydra")
+            hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
+                     *norms.declared(c.norm).hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *reporting,
+                     Progress(c.train.num_iterations, c.run_name, bar)]
+            tic = time.perf_counter()
+            try:
+                history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
+                                c.accumulate)
+            except DivergedError as e:
+                client.set_tag(run_id, "diverged_step", str(e.step))
+                raise
+            peak = "batched_" if c.accumulate == "batched" else ""  # a batched run's peaks are not the loop's
+            memory = {**memory, f"{peak}peak_rss_mb": peak_rss_bytes() / 2**20}
+            if device.type == "cuda":
+                memory[f"{peak}cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
+            tracking.log_model(client, run_id, model, step=history[-1].step)  # the eager module: reloadable
+    except Stopped as e:  # its run ended KILLED; the app tells the sweeper (optuna.TrialPruned)
+        log.info("%s: %s", c.run_name, e)
+        raise
+    log.info("%s: final valid_acc %.4f (run %s)", c.run_name, history[-1].valid_acc, run_id)
+    return returned_value(c, [(p.step, p.valid_acc) for p in history])
+
+
+def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
+    """What a job returns to its sweeper, from its (step, valid_acc) evaluations: a trial, its objective
+    (analysis.objective); a grid cell, whose value no sweeper reads, its final accuracy."""
+    if c.optuna.study is None:
+        return points[-1][1]
+    value = trial.objective(points, c.analysis)
+    log.info("%s: objective %.4f (%s)", c.run_name, value, trial.describe_objective(c.analysis))
+    return value
+
+
+def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_sweep: bool = False) -> float:
+    """Train one cell of the grid and track it; returns `returned_value`. The store and data
+    are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
+    the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
+    c = check(cfg)  # again where the cell runs: a cluster node may see another device than the launching host
+    device = resolve_device(c.device)
+    if device.type == "cuda" and c.deterministic:
+        deterministic_cuda()
+    threads = threads_for(c.threads, c.cells_at_once)  # the launch config says how many cells share the cores
+    if threads:
+        torch.set_num_threads(threads)
+    client = MlflowClient(c.mlflow.tracking_uri)
+    experiment_id = tracking.experiment_id(client, c.mlflow.experiment_name)
+    dataset = datasets.open_dataset(c.data, progress=False if in_sweep else c.progress)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["data"]["digest"] = dataset.meta.digest  # what it is, not only where: a changed folder is another protocol
+    key = tracking.protocol_key(resolved)
+    done = skip_if_finished(client, experiment_id, key, c, sweep_id)
+    if done is not None:
+        if c.optuna.study is None:  # a grid cell: its final accuracy, logged; no history to read
+            return done.data.metrics["final_valid_acc"]
+        history = client.get_metric_history(done.info.run_id, "valid_acc")
+        return returned_value(c, sorted((m.step, m.value) for m in history))
+    model, train_data, valid_data = build(c, dataset, device)
+    memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
+    bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
+    return train_and_track(c, resolved, key, model, train_data, valid_data, dataset.meta, device, memory, client,
+                           experiment_id, sweep_id, hydra_dir, bar)

@@ -1,0 +1,72 @@
+"""A run as an Optuna trial: its evaluations reported to the study, pruned when the pruner says so, and the
+value it returns (the objective).
+
+The gaexp_optuna sweeper (hydra_plugins/gaexp_optuna_sweeper) gives each trial its study, storage
+and number in the `optuna` node; the trial reads and writes the study through that storage (the sweeper's
+public trial side, `trials`), which several processes (or cluster jobs on a shared file system) can share.
+Light: a cell imports it, and Optuna loads only for a trial.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hydra_plugins.gaexp_optuna_sweeper.trials import open_trial, report
+
+from gaexp.config import AnalysisConfig, OptunaTrialConfig
+from gaexp.hooks import EvalPoint, Hook, Stopped
+
+
+class ReportToTrial(Hook):
+    """After each evaluation: report `valid_acc` at its step (a trial of several repeats: their mean, once
+    each has reported the step); stop training if the trial should be pruned."""
+
+    def __init__(self, trial_config: OptunaTrialConfig) -> None:
+        self.trial = open_trial(trial_config.storage, trial_config.study, trial_config.trial)
+        self.repeat, self.repeats = trial_config.repeat, trial_config.repeats
+
+    def after_eval(self, point: EvalPoint) -> None:
+        report(self.trial, self.repeat, self.repeats, point.step, point.valid_acc)
+        if self.trial.should_prune():
+            raise Stopped(point.step, f"pruned by Optuna (valid_acc {point.valid_acc:.4f})")
+
+
+def objective(points: list[tuple[int, float]], design: AnalysisConfig) -> float:
+    """What a run returns to its trial, from its (step, valid_acc) evaluations: by default the report's
+    metric, the mean over the evaluations at step > design.window_start; with objective=final, the last."""
+    if design.objective == "final":
+        return points[-1][1]
+    check_objective(points[-1][0], design)  # the last evaluation is at the last step
+    return float(np.mean([acc for step, acc in points if step > design.window_start]))
+
+
+def check_objective(num_iterations: int, design: AnalysisConfig) -> None:
+    """Refuse, before any trial trains, a window objective that no evaluation can fall in (the last step is
+    always evaluated)."""
+    if design.objective == "window" and num_iterations <= design.window_start:
+        raise ValueError(f"analysis.window_start={design.window_start}: a trial of train.num_iterations="
+                         f"{num_iterations} has no evaluation after it, so analysis.objective=window has no "
+                         "value; lower analysis.window_start or set analysis.objective=final")
+
+
+def check_direction(direction: str) -> None:
+    """A trial returns an accuracy: the search maximizes it. The Optuna sweeper's default direction, as the
+    official plugin's, is minimize, which would find the worst learning rate."""
+    if direction != "maximize":
+        raise ValueError(f"hydra.sweeper.direction={direction}: a gaexp trial returns a validation accuracy "
+                         "(analysis.objective); valid: hydra.sweeper.direction=maximize")
+
+
+def describe_objective(design: AnalysisConfig) -> str:
+    """The objective in words, as the study's parent run records it."""
+    if design.objective == "final":
+        return "final: valid_acc at the last evaluation"
+    return f"window: mean valid_acc over the evaluations at step > {design.window_start} (the report's metric)"
+
+
+def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
+    """The MLflow tags of a trial run (none for a run that is no trial)."""
+    if trial_config.study is None:
+        return {}
+    tags = {"optuna.study": trial_config.study, "optuna.trial": str(trial_config.trial)}
+    return tags | ({"optuna.repeat": str(trial_config.repeat)} if trial_config.repeats > 1 else {})
