@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from gaexp.norms import ORDER as DECLARED_ORDER  # noqa: E402
 from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
 from gaexp.tracking import PLAN_ROLE, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
 
@@ -62,6 +63,12 @@ class Collected:
     excluded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=EXCLUDED))
     sweep: str = "all"
     runs: pd.DataFrame | None = None  # one row per FINISHED run: its cell and RUN_METRICS (nan if not logged)
+
+
+def norm_order(design: AnalysisConfig) -> Sequence[str]:
+    """The rows' and panels' order: the study's `norm_order`, or where it sets none the order gaexp's norms are
+    declared in (gaexp/norms.py); norms of one's own follow, sorted."""
+    return design.norm_order or DECLARED_ORDER
 
 
 def _order(values: Sequence[str], preferred: Sequence[str]) -> list[str]:
@@ -351,7 +358,7 @@ def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
     (same-seed) difference, 95% t-interval and verdict at design.margin to each baseline cell present.
     `per_run`: windowed mean per (norm, regime, seed)."""
     rows, regime = [], design.ranked_regime
-    for norm in _order(per_run.index.get_level_values("norm").unique(), design.norm_order):
+    for norm in _order(per_run.index.get_level_values("norm").unique(), norm_order(design)):
         if (norm, regime) not in per_run.index:
             continue
         acc = per_run[norm, regime]
@@ -385,7 +392,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
                        f"step {data.step.max()}; set --window-start or analysis.window_start to choose)")
     reference = design.reference
     columns = [r for r in design.table_columns if r in set(data.regime)]  # what the sweep ran, never more
-    norms = _order(data.norm, design.norm_order)
+    norms = _order(data.norm, norm_order(design))
     regimes = _order(data.regime, design.regime_order)
 
     pooled = window.groupby(["norm", "regime"]).valid_acc.mean()
@@ -433,7 +440,7 @@ def _grid(n_panels: int, max_cols: int = 3):
 def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisConfig | None = None) -> plt.Figure:
     """One panel per norm, one colour per regime: mean over seeds, band from min to max."""
     design = design or AnalysisConfig()
-    norms = _order(data.norm, design.norm_order)
+    norms = _order(data.norm, norm_order(design))
     regimes = _order(data.regime, design.regime_order)
     colors = dict(zip(design.regime_order, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
     fig, axes = _grid(len(norms))
