@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from gaexp import cli, metrics  # noqa: E402
 from gaexp.norms import ORDER as DECLARED_ORDER  # noqa: E402
 from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
 from gaexp.tracking import PLAN_ROLE, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
@@ -46,8 +47,7 @@ TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
 DATASET, MODEL = "dataset", "model"  # the protocol columns of data.dataset and model.name
 PARTS = {DATASET: "data.dataset", MODEL: "model.name"}  # a report never pools two values of these: one per value
-RUN_METRICS = ["activation_mb", "peak_rss_mb", "cuda_max_mem_mb", "samples_per_sec", "wall_seconds",
-               "batched_activation_mb", "batched_peak_rss_mb", "batched_cuda_max_mem_mb"]  # batched: accumulate=batched
+RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)
 
 
 class AnalysisError(RuntimeError):
@@ -204,7 +204,7 @@ def curves(client: MlflowClient, run: Run) -> list[tuple[int, float, float]]:
         points = {step: (acc, loss) for step, acc, loss in found}
     else:
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
-                     for key in ("valid_acc", "train_loss")}
+                     for key in metrics.HISTORIES}
         points = {step: (acc, histories["train_loss"].get(step, np.nan)) for step, acc in histories["valid_acc"].items()}
     return [(step, *points[step]) for step in sorted(points)]
 
@@ -644,15 +644,10 @@ def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    default_uri = "sqlite:///" + str(Path("outputs/mlflow.db").resolve())
     parser = argparse.ArgumentParser(prog="gaexp-report", description=(
         "Rebuild the comparison table and learning curves of a gaexp sweep from MLflow."))
-    parser.add_argument("--tracking-uri", default=default_uri,
-                        help="MLflow store: sqlite:///... or http://HOST:PORT (default: %(default)s)")
-    parser.add_argument("--experiment", default="gaexp", help="experiment name (default: %(default)s)")
-    parser.add_argument("--sweep", default="latest",
-                        help="'latest' (the sweep of the newest run), 'all', a sweep id, or several "
-                             "comma-separated (default: %(default)s)")
+    cli.add_store_arguments(parser, sweep="latest", sweep_help="'latest' (the sweep of the newest run), 'all', a "
+                                                               "sweep id, or several comma-separated")
     parser.add_argument("--dataset", default=None,
                         help="the runs of this dataset only (data.dataset: mnist, cifar10, your folder's name, ...); needed when the "
                              "sweep ran several (default: all, which must be one)")
@@ -670,8 +665,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-plots", dest="plots", action="store_false",
                         help="the tables only, without the learning curves (PNG, PDF: seconds more)")
     args = parser.parse_args(argv)
-    if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
-        sys.exit(f"error: no MLflow store at {args.tracking_uri}")
+    if cli.missing_store(args.tracking_uri):
+        sys.exit(cli.missing_store(args.tracking_uri))
     try:
         design = load_study(args.study)
         if args.window_start is not None:

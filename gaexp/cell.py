@@ -20,7 +20,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, norms, redact, tracking, trial
+from gaexp import datasets, metrics, norms, redact, tracking, trial
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
 from gaexp.config import Config, RegimeConfig, require, typed
@@ -99,9 +99,9 @@ def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, en
     the study's memory column) and, for accumulate=batched, for the b*k samples of a step
     (`batched_activation_mb`); then the process peaks start from here."""
     b, n = regime.batch_size, regime.batch_size * regime.num_accum
-    memory = {"activation_mb": activation_bytes(model, data.inputs(slice(0, b)), data.labels[:b]) / 2**20}
+    memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, data.inputs(slice(0, b)), data.labels[:b]) / 2**20}
     if engine == "batched":
-        memory["batched_activation_mb"] = activation_bytes(model, data.inputs(slice(0, n)), data.labels[:n]) / 2**20
+        memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, data.inputs(slice(0, n)), data.labels[:n]) / 2**20
     reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -150,10 +150,12 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
             except DivergedError as e:
                 client.set_tag(run_id, "diverged_step", str(e.step))
                 raise
-            peak = "batched_" if c.accumulate == "batched" else ""  # a batched run's peaks are not the loop's
-            memory = {**memory, f"{peak}peak_rss_mb": peak_rss_bytes() / 2**20}
+            batched = c.accumulate == "batched"  # a batched run's peaks are not the loop's
+            rss, cuda = ((metrics.BATCHED_PEAK_RSS_MB, metrics.BATCHED_CUDA_MAX_MEM_MB) if batched else
+                         (metrics.PEAK_RSS_MB, metrics.CUDA_MAX_MEM_MB))
+            memory = {**memory, rss.name: peak_rss_bytes() / 2**20}
             if device.type == "cuda":
-                memory[f"{peak}cuda_max_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+                memory[cuda.name] = torch.cuda.max_memory_allocated(device) / 2**20
             tracking.log_summary(client, run_id, history, time.perf_counter() - tic, memory)
             tracking.log_model(client, run_id, model, step=history[-1].step)  # the eager module: reloadable
     except Stopped as e:  # its run ended KILLED; the app tells the sweeper (optuna.TrialPruned)
@@ -193,8 +195,8 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     done = skip_if_finished(client, experiment_id, key, c, sweep_id)
     if done is not None:
         if c.optuna.study is None:  # a grid cell: its final accuracy, logged; no history to read
-            return done.data.metrics["final_valid_acc"]
-        history = client.get_metric_history(done.info.run_id, "valid_acc")
+            return done.data.metrics[metrics.FINAL_VALID_ACC.name]
+        history = client.get_metric_history(done.info.run_id, metrics.VALID_ACC.name)
         return returned_value(c, sorted((m.step, m.value) for m in history))
     model, train_data, valid_data = build(c, dataset, device)
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device)

@@ -16,11 +16,11 @@ from typing import Sequence
 from mlflow.tracking import MlflowClient
 
 from gaexp.analysis import PARTS, training_runs
+from gaexp import metrics
 from gaexp.config import ADDED_DEFAULTS
 from gaexp.tracking import CURVES
 
-MEASURED = {"wall_seconds", "samples_per_sec", "peak_rss_mb", "cuda_max_mem_mb", "batched_peak_rss_mb",
-            "batched_cuda_max_mem_mb"}  # vary run to run
+MEASURED = metrics.MEASURED  # vary run to run
 PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat"}  # where and when, not what
 ADDED_TAGS = {**{tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()},  # tags runs recorded before them lack:
               "accumulate": ADDED_DEFAULTS["accumulate"]}  # this value
@@ -44,7 +44,7 @@ def differences(client_a: MlflowClient, client_b: MlflowClient, experiment: str 
     params = []
     for name in sorted(set(runs_a) & set(runs_b)):
         a, b = runs_a[name], runs_b[name]
-        for metric in ("valid_acc", "train_loss"):
+        for metric in metrics.HISTORIES:
             history = [[(m.step, m.value) for m in c.get_metric_history(r.info.run_id, metric)]
                        for c, r in ((client_a, a), (client_b, b))]
             if history[0] != history[1]:

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from gaexp import progress
+from gaexp import cli, progress
 
 
 @dataclass(frozen=True)
@@ -89,14 +88,12 @@ def table(moments: Sequence[Moment], floor_s: float, poll_s: float = 10.0) -> st
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gaexp.eta_replay", description=__doc__.splitlines()[0])
-    parser.add_argument("--tracking-uri", required=True, help="MLflow store: sqlite:///ABS/PATH.db or http://HOST:PORT")
-    parser.add_argument("--experiment", default="gaexp", help="experiment name (default: %(default)s)")
-    parser.add_argument("--sweep", default=None, help="sweep id (default: the newest sweep with a plan run)")
+    cli.add_store_arguments(parser, required=True, sweep_help="sweep id (none: the newest sweep with a plan run)")
     parser.add_argument("--floor-s", type=float, default=5.0,
                         help="leave out moments with fewer seconds left from the summary (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
-        sys.exit(f"error: no MLflow store at {args.tracking_uri}")  # MLflow would make an empty one there
+    if cli.missing_store(args.tracking_uri):
+        sys.exit(cli.missing_store(args.tracking_uri))
     client = MlflowClient(args.tracking_uri)
     experiment = client.get_experiment_by_name(args.experiment)
     if experiment is None:

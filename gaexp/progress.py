@@ -30,6 +30,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from tqdm import tqdm
 
+from gaexp import cli, metrics
 from gaexp.redact import mask, reconnectable
 from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, runs_in_sweep, search_all
 from hydra_plugins.gaexp_optuna_sweeper import tally as trials
@@ -273,9 +274,9 @@ def cell_of(client: MlflowClient, run: Run, sweep_id: str, now: float, new_graph
     status = "SKIPPED" if tags.get("sweep_id") != sweep_id and info.status == "FINISHED" else info.status
     end = info.end_time / 1000 if info.end_time else now
     steps = int(params.get("train.num_iterations", 0))
-    step, acc = steps, run.data.metrics.get("final_valid_acc")
+    step, acc = steps, run.data.metrics.get(metrics.FINAL_VALID_ACC.name)
     if status in ("RUNNING", "FAILED", "KILLED"):  # where it is, or stopped: its latest evaluation
-        history = client.get_metric_history(info.run_id, "valid_acc")
+        history = client.get_metric_history(info.run_id, metrics.VALID_ACC.name)
         step, acc = (history[-1].step, history[-1].value) if history else (0, None)
     beat = float(tags.get(HEARTBEAT, info.start_time / 1000))
     expected = cell_seconds(tags, params) if "train.num_iterations" in params else 0.0
@@ -459,24 +460,19 @@ def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_a
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    default_uri = "sqlite:///" + str(Path("outputs/mlflow.db").resolve())
     parser = argparse.ArgumentParser(prog="gaexp-status", description=(
         "Where gaexp sweeps stand, read from the tracking store: cells by state, the running ones, the ETA."))
-    parser.add_argument("--tracking-uri", default=default_uri,
-                        help="MLflow store: sqlite:///... or http://HOST:PORT (default: %(default)s)")
-    parser.add_argument("--experiment", default="gaexp", help="experiment name (default: %(default)s)")
-    parser.add_argument("--sweep", default="active",
-                        help="'active' (sweeps still running, else the newest), 'all', or sweep ids, comma-separated "
-                             "(default: %(default)s)")
+    cli.add_store_arguments(parser, sweep="active", sweep_help="'active' (sweeps still running, else the newest), "
+                                                               "'all', or sweep ids, comma-separated")
     parser.add_argument("--watch", type=float, default=0, metavar="S", help="print again every S seconds until "
                         "no shown sweep is running (0: once; default: %(default)s)")
     parser.add_argument("--stale-after-s", type=float, default=3600,
                         help="flag RUNNING cells without a heartbeat this long (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.tracking_uri.startswith("sqlite:///") and not Path(args.tracking_uri.removeprefix("sqlite:///")).is_file():
-        sys.exit(f"error: no MLflow store at {args.tracking_uri}")
+    if cli.missing_store(args.tracking_uri):
+        sys.exit(cli.missing_store(args.tracking_uri))
     if not args.tracking_uri.startswith(("sqlite:///", "http://", "https://")):
-        sys.exit(f"error: --tracking-uri {args.tracking_uri!r}; valid: sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT")
+        sys.exit(f"error: --tracking-uri {args.tracking_uri!r}; valid: {cli.STORE_FORMS}")
     if args.watch < 0:
         sys.exit(f"error: --watch {args.watch}; valid: 0 (once) or a number of seconds > 0")
     client = MlflowClient(args.tracking_uri)

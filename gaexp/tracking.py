@@ -29,7 +29,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 
-from gaexp import liveness
+from gaexp import liveness, metrics
 from gaexp.config import HOLDOUT_SEED, protocol_part
 from gaexp.hooks import EvalPoint, Hook, Stopped
 from gaexp.redact import mask
@@ -318,10 +318,8 @@ def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> 
 def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
     """One batch per evaluation: the metric histories, with step = optimizer step, and the heartbeat."""
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[
-        Metric("valid_acc", point.valid_acc, now, point.step),
-        Metric("train_loss", point.train_loss, now, point.step),
-    ], tags=[RunTag(HEARTBEAT, f"{now / 1000:.0f}")])
+    client.log_batch(run_id, metrics=[Metric(name, getattr(point, name), now, point.step) for name in metrics.HISTORIES],
+                     tags=[RunTag(HEARTBEAT, f"{now / 1000:.0f}")])
 
 
 class MlflowLogger(Hook):
@@ -340,10 +338,10 @@ def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wal
     curves as tags (`curves_tags`)."""
     now, last = int(time.time() * 1000), history[-1]
     values = {
-        "final_valid_acc": last.valid_acc,
-        "best_valid_acc": max(p.valid_acc for p in history),
-        "wall_seconds": wall_seconds,
-        "samples_per_sec": last.samples_per_sec,
+        metrics.FINAL_VALID_ACC.name: last.valid_acc,
+        metrics.BEST_VALID_ACC.name: max(p.valid_acc for p in history),
+        metrics.WALL_SECONDS.name: wall_seconds,
+        metrics.SAMPLES_PER_SEC.name: last.samples_per_sec,
         **(extra or {}),
     }
     client.log_batch(run_id, metrics=[Metric(k, v, now, last.step) for k, v in values.items()],

@@ -26,7 +26,7 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from gaexp import tracking  # noqa: E402
+from gaexp import cli, tracking  # noqa: E402
 from gaexp.redact import mask  # noqa: E402
 from gaexp.config import AnalysisConfig  # noqa: E402
 from gaexp.trial import describe_objective  # noqa: E402
@@ -170,14 +170,15 @@ def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, see
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gaexp-tuned", description=(
         "Rerun each cell of an Optuna search at its best values, on the test set, with several seeds."))
-    parser.add_argument("--tracking-uri", default="sqlite:///" + str(Path("outputs/mlflow.db").resolve()))
-    parser.add_argument("--experiment", default="gaexp-tune_lr", help="where the search ran (default: %(default)s)")
+    cli.add_store_arguments(parser, experiment="gaexp-tune_lr")
     parser.add_argument("--study", default="tune_lr", help="the search's study_name (default: %(default)s)")
     parser.add_argument("--seeds", default="1,2,3", help="seeds of the reruns (default: %(default)s)")
     parser.add_argument("--run", action="store_true", help="run the commands (default: print them)")
     parser.add_argument("overrides", nargs="*", help="more overrides for every rerun, e.g. launch=joblib "
                                                      "mlflow.experiment_name=gaexp-tune_lr-test")
     args = parser.parse_args(argv)
+    if cli.missing_store(args.tracking_uri):
+        sys.exit(cli.missing_store(args.tracking_uri))
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one config.yaml per study: no bars
     try:
         commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,

@@ -20,7 +20,7 @@ from typing import Sequence
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from gaexp import tracking
+from gaexp import cli, tracking
 
 WORKFLOW = "machine_learning"  # the UI's value for model training: runs, models, metrics
 STORE_FORM = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
@@ -73,9 +73,8 @@ def ui_command(uri: str, host: str, port: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    default_store = "sqlite:///" + str(Path("outputs/mlflow.db").resolve())
     parser = argparse.ArgumentParser(prog="python -m gaexp.ui", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", default=default_store, help=f"{STORE_FORM} (default: %(default)s)")
+    parser.add_argument("--store", default=cli.default_store(), help=f"{STORE_FORM} (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address the UI listens on (default: %(default)s)")
     parser.add_argument("--port", default="5000", help="port the UI listens on (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -334,3 +334,23 @@ def test_inputs_and_model_through_a_tracking_server(server, tmp_path, trained_bn
     reloaded = tracking.load_model(uri, run_id)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
     assert evaluate(reloaded, small_valid) == evaluate(model, small_valid)
+
+
+def test_what_a_run_logs_is_what_the_metrics_declare(tmp_path):
+    """A run's metrics are exactly the declared ones (gaexp/metrics.py): histories per evaluation, the rest once."""
+    from gaexp import metrics
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = tracking.prepare_store(client.tracking_uri, "gaexp", str(tmp_path / "artifacts"))
+    run_id = client.create_run(experiment).info.run_id
+    history = [EvalPoint(2, 1.5, 0.25, 100.0), EvalPoint(4, 1.0, 0.5, 120.0)]
+    for point in history:
+        tracking.log_eval_point(client, run_id, point)
+    tracking.log_summary(client, run_id, history, 3.0, {metrics.ACTIVATION_MB.name: 1.0, metrics.PEAK_RSS_MB.name: 9.0})
+    logged = client.get_run(run_id).data.metrics
+    declared = {m.name: m for m in metrics.METRICS}
+    assert set(logged) <= set(declared)
+    for name in logged:
+        steps = [m.step for m in client.get_metric_history(run_id, name)]
+        assert steps == ([2, 4] if declared[name].per == metrics.EVALUATION else [4]), name
+    assert metrics.HISTORIES == ("valid_acc", "train_loss") and set(metrics.HISTORIES) <= set(vars(history[0]))

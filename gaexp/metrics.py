@@ -1,0 +1,41 @@
+"""What a run logs, declared once: each metric's name, when it is logged and what it means. Training's
+`EvalPoint` (gaexp/hooks.py) carries the histories' values under these names; tracking logs them, the report
+reads them, and compare tells results from measurements of the machine by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EVALUATION, RESULT, RESOURCE = "evaluation", "result", "resource"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    per: str  # EVALUATION: a history, one value per evaluation, step = optimizer step; RESULT, RESOURCE: once a run,
+    # at its last step (RESOURCE: what it cost)
+    meaning: str
+    measured: bool = False  # a measurement of the machine (time, memory): it varies run to run and is no result
+
+
+VALID_ACC = Metric("valid_acc", EVALUATION, "accuracy on the whole validation split, in eval mode")
+TRAIN_LOSS = Metric("train_loss", EVALUATION, "mean unscaled training loss over the last train.loss_window steps")
+FINAL_VALID_ACC = Metric("final_valid_acc", RESULT, "valid_acc at the last evaluation")
+BEST_VALID_ACC = Metric("best_valid_acc", RESULT, "the highest valid_acc of the run")
+# In the report's order (its memory and speed table).
+ACTIVATION_MB = Metric("activation_mb", RESOURCE, "MiB autograd saves for one micro-batch: what the loop holds")
+PEAK_RSS_MB = Metric("peak_rss_mb", RESOURCE, "the process's peak resident memory while training, MiB", True)
+CUDA_MAX_MEM_MB = Metric("cuda_max_mem_mb", RESOURCE, "peak CUDA memory allocated while training, MiB", True)
+SAMPLES_PER_SEC = Metric("samples_per_sec", RESOURCE, "training samples per second, evaluations excluded", True)
+WALL_SECONDS = Metric("wall_seconds", RESOURCE, "seconds from the first step to the last evaluation", True)
+BATCHED_ACTIVATION_MB = Metric("batched_activation_mb", RESOURCE, "accumulate=batched: MiB autograd saves for the "
+                                                                  "b*k samples of a step")
+BATCHED_PEAK_RSS_MB = Metric("batched_peak_rss_mb", RESOURCE, "accumulate=batched: peak_rss_mb", True)
+BATCHED_CUDA_MAX_MEM_MB = Metric("batched_cuda_max_mem_mb", RESOURCE, "accumulate=batched: cuda_max_mem_mb", True)
+
+METRICS = (VALID_ACC, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
+           SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB)
+HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION)  # valid_acc, train_loss
+RESOURCES = tuple(m.name for m in METRICS if m.per == RESOURCE)
+MEASURED = frozenset(m.name for m in METRICS if m.measured)
