@@ -273,9 +273,9 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 # Every module of gaexp and of its Hydra plugins, bottom first: each imports (at its top or inside a function) only
 # modules before it. The plugins' shared names and the trial side gaexp calls sit at the bottom; their sweepers and
 # launcher, which Hydra loads and nothing imports, at the top, above the app they never import.
-LAYERS = [f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
+LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
-              "machine", "redact", "config", "configdocs", "targets", "data", "imagefolder", "batches",
+              "machine", "redact", "cli", "config", "metrics", "configdocs", "targets", "data", "imagefolder", "batches",
               "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "train", "check",
               "tracking", "cell", "storegen", "server", "progress", "eta_replay", "tuning", "analysis", "ui", "compare",
               "storebench", "bench", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),

@@ -33,14 +33,13 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobStatus
 from hydra.errors import HydraException
 from hydra.types import HydraContext, TaskFunction
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from hydra_plugins.gaexp_optuna_sweeper import tally as progress
-from hydra_plugins.gaexp_optuna_sweeper.config import (CURVE, DIRECTIONS, HEARTBEAT, PROTOCOL, PRUNER, REPEATS, RESULTS,
+from hydra_plugins.gaexp_optuna_sweeper.config import (DIRECTIONS, HEARTBEAT, PROTOCOL, PRUNER, REPEATS, RESULTS,
                                                        SweeperError)
 from hydra_plugins.gaexp_optuna_sweeper.trials import make, make_pruner, open_storage
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException
 from omegaconf import MISSING
+
+from hydra_plugins.gaexp_optuna_sweeper._errors import SweeperError  # noqa: F401 - the sweeper's, shared from here
 
 DIRECTIONS = ("maximize", "minimize")
 RESULTS = "optimization_results.yaml"  # written into the sweep folder: every study's best trial and counts
@@ -22,10 +23,6 @@ PRUNER = "gaexp.pruner"  # a study's user attribute: the sweeper's pruner node, 
 HEARTBEAT = "gaexp.heartbeat"  # a trial's system attribute: its sweep's last beat, time.time() (journal storages)
 REPEATS = "gaexp.repeats"  # a trial's user attribute: each repeat's overrides and value
 CURVE = "gaexp.reports."  # + the repeat's index: a trial's user attribute, that repeat's reports {step: value}
-
-
-class SweeperError(HydraException):
-    """Bad sweeper input: one line naming the value and what is valid."""
 
 
 @dataclass
