@@ -18,13 +18,15 @@ import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, server
+from gaexp import analysis, server, tracking
 from gaexp.batches import Split
 from gaexp.config import CONFIG_DIR
 from gaexp.data import DataError, data_config, ensure_data
 from gaexp.datasets import Dataset, open_dataset
+from gaexp.hooks import EvalPoint
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
@@ -219,3 +221,52 @@ def server(tmp_path_factory, free_port):
             "--artifacts-destination", str(root / "artifacts")]
     with serving(argv, uri, root / "server.log"):
         yield uri, root
+
+
+# --- fake runs: what gaexp records, written straight into a real store (tests of its readers) ----------------
+
+CELL_SWEEP = "2026-11-30_10-00-00"  # cell_run's sweep id
+
+
+def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
+            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None, model=None):
+    """A run as gaexp records it; without `dataset` or `model`, as runs were recorded before these were a choice."""
+    b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
+    tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
+    if dataset:
+        tags["dataset"] = dataset
+    if model:
+        tags["model"] = model
+    name = f"{dataset + '-' if dataset else ''}{model + '-' if model else ''}{norm}-{regime}-s{seed}"
+    run_id = client.create_run(experiment_id, run_name=name, tags={k_: str(v) for k_, v in tags.items()}).info.run_id
+    tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
+                                                   "lr": lr, "loss_window": 100},
+                                         **({"data": {"dataset": dataset}} if dataset else {}),
+                                         **({"model": {"name": model, "target": f"nets:{model}"}} if model else {})})
+    for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
+        tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
+    for key, value in (summary or {}).items():
+        client.log_metric(run_id, key, value)
+    client.set_terminated(run_id, status)
+    return run_id
+
+
+def cell_run(client: MlflowClient, experiment_id: str, name: str, status: str, sweep_id: str = CELL_SWEEP,
+             evals: tuple[tuple[int, float], ...] = (), b: int = 1, k: int = 16, heartbeat: float | None = None,
+             elapsed: float = 100, tags: dict | None = None) -> str:
+    """A run as a gaexp cell records it: its tags, the protocol params, evaluations, a status, `elapsed`
+    seconds from its start to now (its end, if it ended)."""
+    norm, regime, seed = name.split("-")
+    tags = {"norm": norm, "regime": regime, "seed": seed[1:], "batch_size": b, "num_accum": k,
+            "sweep_id": sweep_id, tracking.SWEEPS: sweep_id,
+            tracking.HEARTBEAT: f"{heartbeat if heartbeat is not None else time.time():.0f}", **(tags or {})}
+    now = int(time.time() * 1000)
+    run_id = client.create_run(experiment_id, start_time=now - int(elapsed * 1000), run_name=name,
+                               tags={k: str(v) for k, v in tags.items()}).info.run_id
+    client.log_batch(run_id, params=[Param("train.num_iterations", "3600"), Param("train.eval_period", "300")])
+    client.log_batch(run_id, metrics=[Metric("valid_acc", acc, now, step) for step, acc in evals])
+    if status != "RUNNING":
+        if status == "FINISHED":
+            client.log_batch(run_id, metrics=[Metric("final_valid_acc", evals[-1][1], now, 3600)])
+        client.set_terminated(run_id, status, end_time=now)
+    return run_id

@@ -12,7 +12,7 @@ from scipy import stats
 from gaexp import analysis, tracking
 from gaexp.analysis import AnalysisError, collect, load_study, plot_curves, summarize
 from gaexp.config import AnalysisConfig
-from gaexp.hooks import EvalPoint
+from tests.conftest import add_run
 
 STUDY = AnalysisConfig()  # the study's design: conf/experiment/spec.yaml states the same
 
@@ -26,29 +26,6 @@ HISTORIES = {
     ("gn4", "bs16a1", 1): (0.90, 0.91, 0.92), ("gn4", "bs16a1", 2): (0.86, 0.87, 0.88),
     ("gn4", "bs1a16", 1): (0.90, 0.91, 0.92), ("gn4", "bs1a16", 2): (0.86, 0.87, 0.88),
 }
-
-
-def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
-            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None, model=None):
-    """A run as gaexp records it; without `dataset` or `model`, as runs were recorded before these were a choice."""
-    b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
-    tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
-    if dataset:
-        tags["dataset"] = dataset
-    if model:
-        tags["model"] = model
-    name = f"{dataset + '-' if dataset else ''}{model + '-' if model else ''}{norm}-{regime}-s{seed}"
-    run_id = client.create_run(experiment_id, run_name=name, tags={k_: str(v) for k_, v in tags.items()}).info.run_id
-    tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
-                                                   "lr": lr, "loss_window": 100},
-                                         **({"data": {"dataset": dataset}} if dataset else {}),
-                                         **({"model": {"name": model, "target": f"nets:{model}"}} if model else {})})
-    for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
-        tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
-    for key, value in (summary or {}).items():
-        client.log_metric(run_id, key, value)
-    client.set_terminated(run_id, status)
-    return run_id
 
 
 @pytest.fixture

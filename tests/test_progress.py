@@ -6,11 +6,11 @@ import io
 import time
 
 import pytest
-from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from gaexp import progress, tracking
 from gaexp.progress import Cell, Plan
+from tests.conftest import CELL_SWEEP, cell_run
 
 PROTOCOL = dict(num_iterations=3600, eval_period=300)
 
@@ -131,28 +131,7 @@ def test_graph_keys_are_shared_by_the_cells_that_share_a_graph():
 
 # --- on a real store ----------------------------------------------------------------------------------------
 
-SWEEP = "2026-11-30_10-00-00"
-
-
-def cell_run(client: MlflowClient, experiment_id: str, name: str, status: str, sweep_id: str = SWEEP,
-             evals: tuple[tuple[int, float], ...] = (), b: int = 1, k: int = 16, heartbeat: float | None = None,
-             elapsed: float = 100, tags: dict | None = None) -> str:
-    """A run as a gaexp cell records it: its tags, the protocol params, evaluations, a status, `elapsed`
-    seconds from its start to now (its end, if it ended)."""
-    norm, regime, seed = name.split("-")
-    tags = {"norm": norm, "regime": regime, "seed": seed[1:], "batch_size": b, "num_accum": k,
-            "sweep_id": sweep_id, tracking.SWEEPS: sweep_id,
-            tracking.HEARTBEAT: f"{heartbeat if heartbeat is not None else time.time():.0f}", **(tags or {})}
-    now = int(time.time() * 1000)
-    run_id = client.create_run(experiment_id, start_time=now - int(elapsed * 1000), run_name=name,
-                               tags={k: str(v) for k, v in tags.items()}).info.run_id
-    client.log_batch(run_id, params=[Param("train.num_iterations", "3600"), Param("train.eval_period", "300")])
-    client.log_batch(run_id, metrics=[Metric("valid_acc", acc, now, step) for step, acc in evals])
-    if status != "RUNNING":
-        if status == "FINISHED":
-            client.log_batch(run_id, metrics=[Metric("final_valid_acc", evals[-1][1], now, 3600)])
-        client.set_terminated(run_id, status, end_time=now)
-    return run_id
+SWEEP = CELL_SWEEP
 
 
 @pytest.fixture
