@@ -203,8 +203,7 @@ def test_a_coupled_norm_of_ones_own_in_one_file_trains_under_both_engines_and_sh
     (tmp_path / "mine_bn.py").write_text(USER_NORM_FILE)
     monkeypatch.syspath_prepend(str(tmp_path))
     mine = ["norm=custom", f"norm.target={USER_NORM}", "norm.name=mean_bn", "train.num_iterations=3"]
-    for overrides in (["norm=bn", "regime=bs16a1"], ["norm=bn", "regime=bs4a4"], [*mine, "regime=bs16a1"],
-                 [*mine, "regime=bs4a4"]):
+    for overrides in (["norm=bn", "regime=bs16a1"], [*mine, "regime=bs16a1"], [*mine, "regime=bs4a4"]):
         run_cell(prepared(compose(*TINY, "train.num_iterations=3", *overrides, outputs=tmp_path)), sweep_id="s1")
     batched = prepared(compose(*TINY, *mine, "regime=bs4a4", "accumulate=batched", outputs=tmp_path))
     run_cell(batched, sweep_id="s2")
@@ -217,7 +216,7 @@ def test_a_coupled_norm_of_ones_own_in_one_file_trains_under_both_engines_and_sh
     summary, _, _ = analysis.report(batched.mlflow.tracking_uri, "gaexp", sweep="s1",
                                     design=analysis.AnalysisConfig(window_start=0, table_columns=["bs16a1", "bs4a4"]),
                                     out=tmp_path / "report", plots=False)
-    assert list(summary.table.index) == ["bn", "mean_bn"]  # the declared norms first, then one's own
+    assert list(summary.table.index) == ["bn", "mean_bn"]  # the declared norms first, then one's own (test_analysis)
     assert summary.cells.loc[("mean_bn", "bs4a4"), "seeds"] == 1 and 0 < summary.table.loc["mean_bn", "bs4a4"] < 100
 
 

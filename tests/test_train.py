@@ -84,12 +84,11 @@ def test_compiled_training_gradients_match_the_eager_layers(norm, train_split):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm,options", [("bn", {}), ("in", {}), ("gn4", {}), ("gn16", {}), ("none", {}),
-                                          ("in_affine", {}), ("ln", {}), ("bn_microeval", {"micro_batch": 16})],
-                         ids=["bn", "in", "gn4", "gn16", "none", "in_affine", "ln", "bn_microeval"])
+@pytest.mark.parametrize("norm,options", [("bn", {}), ("in", {}), ("gn4", {}), ("bn_microeval", {"micro_batch": 16})],
+                         ids=["bn", "in", "gn4", "bn_microeval"])
 def test_compiled_evaluation_predicts_as_the_eager_model_except_near_ties(norm, options, train_split, valid_split):
-    """compile=auto compiles every norm's evaluation (the study's five, and the remedies whose
-    evaluation is not BatchNorm's). On the 10,000 test images, after 150 steps of training, the
+    """compile=auto compiles every norm's evaluation: one norm of each kernel (BatchNorm, InstanceNorm,
+    GroupNorm, which gn16, ln and in_affine share) and the remedy with a forward of its own. On the 10,000 test images, after 150 steps of training, the
     compiled model's logits stay within 1e-4 of the eager ones, and a prediction may differ only where
     the eager top two logits are closer than twice that difference (a tie)."""
     model = model_for(norm, **options)
