@@ -23,7 +23,7 @@ from gaexp import datasets, redact, tracking, trial
 from gaexp.cell import check
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, job_config
 
-log = logging.getLogger("gaexp.app")
+log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
 
 def is_search(cfg: DictConfig) -> bool:

@@ -31,7 +31,7 @@ from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import check_model, make_model
 from gaexp.train import compile_phases, resolve_device, train
 
-log = logging.getLogger("gaexp.app")
+log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
 
 def check(cfg: DictConfig) -> Config:

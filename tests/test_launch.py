@@ -220,11 +220,12 @@ def test_launcher_warnings_name_the_fix(compose):
         assert joined == shared_sqlite
 
 
-# A launcher of one's own is one launch config (and, here, the class it names): submitit's local launcher, wrapped
-# to leave a mark of each batch it launches. The app is not told of it.
+# A launcher of one's own is one launch config (and, here, the class it names, in a hydra_plugins/ folder of its own
+# as Hydra requires of a launcher): submitit's local launcher, wrapped to leave a mark of each batch it launches.
+# The app is not told of it.
 LAUNCH_FILE = """
 # @package _global_
-# two cells at a time, each in its own process, through my_launchers.MarkingLocalLauncher
+# two cells at a time, each in its own process, through hydra_plugins/my_launchers.py
 defaults:
   - override /hydra/launcher: submitit_local
 
@@ -234,7 +235,7 @@ hydra:
   sweeper:
     max_batch_size: 2
   launcher:
-    _target_: my_launchers.MarkingLocalLauncher
+    _target_: hydra_plugins.my_launchers.MarkingLocalLauncher
     timeout_min: 10
 """
 LAUNCHER_MODULE = """
@@ -255,7 +256,8 @@ class MarkingLocalLauncher(LocalLauncher):
 def launcher_of_ones_own(tmp_path: Path) -> str:
     (tmp_path / "mine" / "launch").mkdir(parents=True)
     (tmp_path / "mine" / "launch" / "twice.yaml").write_text(LAUNCH_FILE)
-    (tmp_path / "my_launchers.py").write_text(LAUNCHER_MODULE)
+    (tmp_path / "hydra_plugins").mkdir()  # a namespace package, beside gaexp's own plugins
+    (tmp_path / "hydra_plugins" / "my_launchers.py").write_text(LAUNCHER_MODULE)
     return f"hydra.searchpath=[file://{tmp_path / 'mine'}]"
 
 
