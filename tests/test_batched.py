@@ -57,6 +57,17 @@ class MeanOnlyBatchNorm2d(nn.BatchNorm2d):
             self.running_mean.lerp_(mean.detach(), self.momentum)
             self.num_batches_tracked.add_(1)
         return (x - mean[:, None, None]) * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+class Undeclared(MeanOnlyBatchNorm2d):
+    couples_samples = None  # says nothing: a subclass of BatchNorm with its own forward, refused by batched
+
+
+def declared_factory(channels):  # a factory declares for the layers it builds
+    return Undeclared(channels)
+
+
+declared_factory.couples_samples = True
 """
 USER_NORM = "mine_bn:MeanOnlyBatchNorm2d"
 
@@ -176,6 +187,12 @@ def test_a_users_coupled_norm_in_one_file_batched_computes_what_the_loop_compute
     monkeypatch.setattr(batched_module, "chunked", lambda layer, b: layer.forward)
     whole, _ = trajectory("batched", user_norm, b, k, train_split, steps=2)
     assert max(differences(whole, trajectory("loop", user_norm, b, k, train_split, steps=2)[0]).values()) > 1e-3
+
+
+def test_a_norm_of_ones_own_is_chunked_as_it_declares_or_refused(user_norm):
+    assert len(coupled_layers(build("mine_bn:declared_factory", 4, 4))) == 4  # the factory's word, on each layer
+    with pytest.raises(UnchunkableError, match=r"^accumulate=batched: layer 'model.features.1' is a mine_bn.Undeclared"):
+        coupled_layers(build("mine_bn:Undeclared", 4, 4))
 
 
 @pytest.mark.parametrize("norm", GRID_NORMS + REMEDIES)
