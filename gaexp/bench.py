@@ -32,11 +32,10 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import ToTensor
 
 from gaexp.batches import Split, micro_batches
-from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, regime_name
+from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, NormConfig, regime_name
 from gaexp.data import DataError, data_config, datasets, torchvision_class
 from gaexp.datasets import fetch, open_dataset, splits
 from gaexp.model import load
-from gaexp.config import NormConfig
 from gaexp.norms import NORMS, norm2d
 from gaexp.train import compile_phases, evaluate, resolve_device, step_function
 
