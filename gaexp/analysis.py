@@ -665,8 +665,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-plots", dest="plots", action="store_false",
                         help="the tables only, without the learning curves (PNG, PDF: seconds more)")
     args = parser.parse_args(argv)
-    if cli.missing_store(args.tracking_uri):
-        sys.exit(cli.missing_store(args.tracking_uri))
+    cli.require_store(args.tracking_uri)
     try:
         design = load_study(args.study)
         if args.window_start is not None:

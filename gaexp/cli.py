@@ -4,6 +4,7 @@ folder writes), the experiment and the sweep; and the one line for a store that 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 STORE_FORMS = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
@@ -27,8 +28,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, experiment: str = "gaex
         parser.add_argument("--sweep", default=sweep, help=f"{sweep_help} (default: %(default)s)")
 
 
-def missing_store(uri: str) -> str | None:
-    """The error line for an SQLite store with no file (MLflow would make an empty one there); None otherwise."""
+def require_store(uri: str) -> None:
+    """Exit with one line for an SQLite store with no file (MLflow would make an empty one there)."""
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        return f"error: no MLflow store at {uri}"
-    return None
+        sys.exit(f"error: no MLflow store at {uri}")

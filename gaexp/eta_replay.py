@@ -92,8 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--floor-s", type=float, default=5.0,
                         help="leave out moments with fewer seconds left from the summary (default: %(default)s)")
     args = parser.parse_args(argv)
-    if cli.missing_store(args.tracking_uri):
-        sys.exit(cli.missing_store(args.tracking_uri))
+    cli.require_store(args.tracking_uri)
     client = MlflowClient(args.tracking_uri)
     experiment = client.get_experiment_by_name(args.experiment)
     if experiment is None:

@@ -469,8 +469,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--stale-after-s", type=float, default=3600,
                         help="flag RUNNING cells without a heartbeat this long (default: %(default)s)")
     args = parser.parse_args(argv)
-    if cli.missing_store(args.tracking_uri):
-        sys.exit(cli.missing_store(args.tracking_uri))
+    cli.require_store(args.tracking_uri)
     if not args.tracking_uri.startswith(("sqlite:///", "http://", "https://")):
         sys.exit(f"error: --tracking-uri {args.tracking_uri!r}; valid: {cli.STORE_FORMS}")
     if args.watch < 0:

@@ -177,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="more overrides for every rerun, e.g. launch=joblib "
                                                      "mlflow.experiment_name=gaexp-tune_lr-test")
     args = parser.parse_args(argv)
-    if cli.missing_store(args.tracking_uri):
-        sys.exit(cli.missing_store(args.tracking_uri))
+    cli.require_store(args.tracking_uri)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one config.yaml per study: no bars
     try:
         commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,
