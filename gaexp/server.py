@@ -7,6 +7,10 @@ clients send MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), the admin's
 the environment (MLFLOW_AUTH_ADMIN_PASSWORD) or a file (--admin-password-file), never the command
 line, and other users get `--default-permission` on what they did not create. docs/cluster.md says
 how to add users and put TLS in front.
+
+Its folder (`--root`) and all in it (the store, the artifacts, the users' password hashes) are its owner's
+only: the server runs with umask 077, and what an older gaexp left readable by others is tightened at start.
+A changed admin password is applied to the users' database at start.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import importlib.util
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -57,9 +62,32 @@ def admin_password(password_file: Path | None, env: dict[str, str]) -> str:
     return password
 
 
+def owner_only(root: Path) -> int:
+    """Create `root` (its missing parents as usual) for its owner only, and take the group's and others'
+    rights away from it and all in it (older versions left them readable by every user); how many files and
+    folders that changed."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, exist_ok=True)
+    tightened = _tighten(str(root))
+    for folder, folders, files in os.walk(root):
+        tightened += sum(_tighten(os.path.join(folder, name)) for name in folders + files)
+    return tightened
+
+
+def _tighten(path: str) -> int:
+    """Owner-only `path` (a link is left alone: its target's mode is its own); 1 if that changed it."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode) or not mode & 0o077:
+        return 0
+    os.chmod(path, stat.S_IMODE(mode) & 0o700)
+    return 1
+
+
 def auth_ini(root: Path, admin: str, permission: str) -> Path:
     """The basic-auth app's settings (its users' database in `root`); the password is not written there."""
     path = root / "basic_auth.ini"
+    path.touch(mode=0o600)
+    path.chmod(0o600)
     path.write_text("[mlflow]\n"
                     f"default_permission = {permission}\n"
                     f"database_uri = sqlite:///{root.resolve() / 'basic_auth.db'}\n"
@@ -77,18 +105,44 @@ def flask_secret(root: Path) -> str:
     return path.read_text().strip()
 
 
-def command(root: Path, host: str, port: int, auth: bool, workers: int, allowed_hosts: str | None = None) -> list[str]:
+def allowed_hosts(names: str) -> str:
+    """`names` (comma-separated Host headers) added to what MLflow allows by default (localhost and the
+    loopback on any port, private IPs), which its `--allowed-hosts` would otherwise replace."""
+    from mlflow.server.security_utils import get_default_allowed_hosts  # MLflow's own list, not a copy
+
+    defaults = get_default_allowed_hosts()
+    return ",".join(defaults + [n for n in (n.strip() for n in names.split(",")) if n and n not in defaults])
+
+
+def admin_password_applied(db: Path, admin: str, password: str) -> bool:
+    """Make `password` the password of the user `admin` in MLflow's users database `db`, which keeps the one of
+    the server's first start; whether it changed (False also when `admin` is not there yet)."""
+    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore  # MLflow's own store: its hash, its checks
+
+    store = SqlAlchemyStore()
+    store.init_db(f"sqlite:///{db}")
+    try:
+        if not store.has_user(admin, use_primary=True) or store.authenticate_user(admin, password, use_primary=True):
+            return False
+        store.update_user(admin, password=password)
+        return True
+    finally:
+        store.engine.dispose()
+
+
+def command(root: Path, host: str, port: int, auth: bool, workers: int, allowed: str | None = None) -> list[str]:
     mlflow = Path(sys.executable).parent / "mlflow"
     argv = [str(mlflow)] if mlflow.is_file() else [sys.executable, "-m", "mlflow"]
     argv += ["server", "--backend-store-uri", f"sqlite:///{root.resolve() / 'mlflow.db'}",
              "--artifacts-destination", str(root.resolve() / "artifacts"), "--host", host, "--port", str(port),
              "--workers", str(workers)]
-    argv += ["--allowed-hosts", allowed_hosts] if allowed_hosts else []
+    argv += ["--allowed-hosts", allowed_hosts(allowed)] if allowed else []
     return argv + (["--app-name", "basic-auth"] if auth else [])
 
 
 def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The server's command line and environment; ValueError: one line naming the bad setting."""
+    """The server's command line and environment, and its folder made owner-only (saying so if an older
+    version's was not); ValueError: one line naming the bad setting."""
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}; valid: 1 to 65535")
     if args.default_permission not in PERMISSIONS:
@@ -100,7 +154,15 @@ def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], d
         env["MLFLOW_AUTH_ADMIN_PASSWORD"] = admin_password(args.admin_password_file, env)
         if importlib.util.find_spec("flask_wtf") is None:  # MLflow's auth app needs it (the mlflow[auth] extra)
             raise ValueError("MLflow's auth app needs Flask-WTF: pip install 'mlflow[auth]'")
-    args.root.mkdir(parents=True, exist_ok=True)
+    try:
+        tightened = owner_only(args.root)
+    except OSError as e:
+        why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise ValueError(f"--root {args.root}: {e.filename}: {why}; valid: a folder of yours, or a path where one "
+                         "can be made") from None
+    if tightened:
+        print(f"{args.root.resolve()}: {tightened} file(s) and folder(s) other users could read made owner-only",
+              flush=True)
     if locked:
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(auth_ini(args.root, args.admin_user, args.default_permission))
         env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", flask_secret(args.root))
@@ -151,8 +213,9 @@ def parser() -> argparse.ArgumentParser:
                         help="what a user may do with experiments others created: "
                              f"{', '.join(PERMISSIONS)} (default: %(default)s; deleting needs MANAGE)")
     parser.add_argument("--workers", type=int, default=2, help="server processes (default: %(default)s)")
-    parser.add_argument("--allowed-hosts", default=None, help="the names clients reach the server by, as "
-                        "`mlflow server --allowed-hosts` takes them (default: MLflow's: localhost and private IPs)")
+    parser.add_argument("--allowed-hosts", default=None, help="more names clients reach the server by, "
+                        "comma-separated, as `mlflow server --allowed-hosts` takes them; added to MLflow's "
+                        "default: localhost, the loopback and private IPs, on any port")
     return parser
 
 
@@ -162,10 +225,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv_, env = prepare(args, dict(os.environ))
     except ValueError as e:
         sys.exit(f"error: {e}")
+    os.umask(0o077)  # all the server creates from here on, its own and MLflow's (os.execve keeps it): owner-only
     db = args.root.resolve() / "mlflow.db"
     MlflowClient(f"sqlite:///{db}").search_experiments()  # the store's tables, so that its tags get their index
     tracking.index_tags(db)
     locked = "--app-name" in argv_
+    users = args.root.resolve() / "basic_auth.db"
+    if locked and users.is_file() and admin_password_applied(users, args.admin_user, env["MLFLOW_AUTH_ADMIN_PASSWORD"]):
+        where = args.admin_password_file or "MLFLOW_AUTH_ADMIN_PASSWORD"
+        print(f"{args.admin_user}'s password changed to the one in {where} (the old one no longer works)", flush=True)
     print(f"MLflow server on http://{args.host}:{args.port}, store {args.root.resolve() / 'mlflow.db'}"
           + (f"; locked: users and passwords (admin: {args.admin_user})" if locked else "; open: loopback only"),
           flush=True)

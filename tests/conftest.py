@@ -212,14 +212,14 @@ def serve():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, free_port):
-    """A real MLflow tracking server serving its artifacts, (uri, root folder); stopped (its whole process
-    group) however the tests end."""
+    """A real MLflow tracking server serving its artifacts, (uri, root folder), without MLflow's job runners
+    (as gaexp.server starts it); stopped (its whole process group) however the tests end."""
     root = tmp_path_factory.mktemp("server")
     uri = f"http://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
             "--workers", "2", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
             "--artifacts-destination", str(root / "artifacts")]
-    with serving(argv, uri, root / "server.log"):
+    with serving(argv, uri, root / "server.log", env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}):
         yield uri, root
 
 

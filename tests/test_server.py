@@ -1,9 +1,15 @@
 """A team's server (gaexp.server): locked with MLflow's basic-auth app; a sweep into it with credentials,
-recorded whole and with no password in anything it recorded."""
+recorded whole and with no password in anything it recorded; its files owner-only, the names it answers to,
+a changed admin password; and the tests' own server without MLflow's job runners."""
 
+import base64
 import os
+import stat
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from mlflow.exceptions import MlflowException
@@ -94,3 +100,122 @@ def test_no_password_is_in_any_param_tag_artifact_log_or_report_of_the_sweep(loc
     cells = [r for r in runs if r.info.run_name in CELLS]
     assert {r.data.params["optuna.storage"] for r in cells} == {"postgresql://alice:***@db.example:5432/optuna"}
     assert any("config.yaml" in w for w in texts) and any(w.endswith(".log") for w in texts)
+
+
+OLD_PASSWORD, NEW_PASSWORD = "first-admin-pass-A", "second-admin-pass-B"
+NAME = "mlflow.lab.example"  # a name clients reach the server by, given in --allowed-hosts
+
+
+def answer(uri: str, host: str | None = None, password: str | None = None) -> int:
+    """The HTTP status of a search of experiments, with `host` as the Host header and the admin's `password`."""
+    headers = {"Host": host} if host else {}
+    if password:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()
+    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def not_owner_only(root: Path) -> dict[str, str]:
+    """What in `root` (itself included) its group or others may use, with its mode."""
+    return {str(p.relative_to(root)): oct(stat.S_IMODE(p.stat().st_mode)) for p in [root, *root.rglob("*")]
+            if p.stat().st_mode & 0o077}
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory, free_port, serve):
+    """A locked server started twice on a folder an older version left readable by all: first with one admin
+    password and a name in --allowed-hosts (a run with an artifact logged, the Host headers tried), then with
+    another password. What each start printed, the answers, and the folder."""
+    base = tmp_path_factory.mktemp("restarted")
+    root = base / "server"
+    (root / "artifacts" / "0").mkdir(parents=True)
+    (root / "artifacts" / "0" / "old.txt").write_text("from an older version")
+    for path, mode in ((root, 0o755), (root / "artifacts", 0o755), (root / "artifacts" / "0", 0o755),
+                       (root / "artifacts" / "0" / "old.txt", 0o644)):
+        path.chmod(mode)
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "gaexp.server", "--auth", "yes", "--workers", "1", "--port", str(port),
+            "--root", str(root), "--allowed-hosts", f"{NAME}:{port}"]
+    hosts = [f"127.0.0.1:{port}", f"localhost:{port}", f"10.1.2.3:{port}", f"{NAME}:{port}", f"evil.example:{port}"]
+    first = {**os.environ, "MLFLOW_AUTH_ADMIN_PASSWORD": OLD_PASSWORD}
+    with serve(argv, uri, base / "first.log", "gaexp.server", env=first):
+        answers = {host: answer(uri, host, OLD_PASSWORD) for host in hosts}
+        with mock.patch.dict(os.environ, {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": OLD_PASSWORD}):
+            client = MlflowClient(uri)
+            run_id = client.create_run(client.create_experiment("files")).info.run_id
+            (base / "note.txt").write_text("an artifact")
+            client.log_artifact(run_id, str(base / "note.txt"))
+    written = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    readable = not_owner_only(root)  # before the second start would tighten it
+    with serve(argv, uri, base / "second.log", "gaexp.server", env={**first, "MLFLOW_AUTH_ADMIN_PASSWORD": NEW_PASSWORD}):
+        answers["new password"] = answer(uri, password=NEW_PASSWORD)
+        answers["old password"] = answer(uri, password=OLD_PASSWORD)
+    yield {"root": root, "run_id": run_id, "answers": answers, "written": written, "readable": readable,
+           "first": (base / "first.log").read_text(), "second": (base / "second.log").read_text()}
+
+
+@pytest.mark.slow
+def test_the_servers_folder_and_all_it_and_mlflow_write_there_are_its_owners_only(restarted):
+    root, written = restarted["root"], restarted["written"]
+    assert f"{root}: 4 file(s) and folder(s) other users could read made owner-only" in restarted["first"]
+    artifact = next(p for p in written if p.endswith(f"{restarted['run_id']}/artifacts/note.txt"))
+    assert {"mlflow.db", "basic_auth.db", "basic_auth.ini", "flask_secret", artifact} <= written
+    assert not restarted["readable"]  # all the first start found or made, as it stopped
+    assert "made owner-only" not in restarted["second"]
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_root_folders_parents_keep_their_usual_mode_and_a_bad_root_is_one_line(tmp_path):
+    server.prepare(parsed("--root", str(tmp_path / "outputs" / "server")), {})
+    assert stat.S_IMODE((tmp_path / "outputs" / "server").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "outputs").stat().st_mode) == 0o777 & ~current_umask()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=f"^--root {tmp_path}/file/server: {tmp_path}/file: not a folder; valid: "):
+        server.prepare(parsed("--root", str(tmp_path / "file" / "server")), {})
+
+
+@pytest.mark.slow
+def test_allowed_hosts_adds_its_names_to_mlflows_default_loopback_and_private_ips(restarted):
+    answers = {host: code for host, code in restarted["answers"].items() if ":" in host}
+    assert answers == {host: 403 if host.startswith("evil.") else 200 for host in answers}
+
+
+@pytest.mark.slow
+def test_a_new_admin_password_replaces_the_old_one_at_restart_and_says_so(restarted):
+    assert restarted["answers"]["new password"] == 200 and restarted["answers"]["old password"] == 401
+    assert "admin's password changed to the one in MLFLOW_AUTH_ADMIN_PASSWORD" in restarted["second"]
+    assert "password changed" not in restarted["first"]
+    assert NEW_PASSWORD not in restarted["second"] and OLD_PASSWORD not in restarted["first"]
+
+
+def processes() -> list[tuple[int, int, str]]:
+    """(pid, process group, command line) of every live process, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue  # ended while read
+            found.append((int(entry.name), group, line))
+    return found
+
+
+@pytest.mark.slow
+def test_the_tests_server_runs_without_mlflows_job_runners(server):
+    _, root = server
+    every = processes()
+    leader = next(pid for pid, group, line in every if pid == group and f"sqlite:///{root}/mlflow.db" in line)
+    group = [line for _, group, line in every if group == leader]
+    assert len(group) > 1 and not [line for line in group if "mlflow.server.jobs" in line or "huey" in line]
