@@ -672,8 +672,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             design = dataclasses.replace(design, window_start=args.window_start)
         if args.margin is not None:
             design = dataclasses.replace(design, margin=args.margin)
-        summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
-                                             dataset=args.dataset, model=args.model, plots=False)
+        with cli.store_errors(args.tracking_uri):
+            summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
+                                                 dataset=args.dataset, model=args.model, plots=False)
     except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
     models = values_in(collected, MODEL)

@@ -395,8 +395,9 @@ class Live:
 # --- gaexp-status -----------------------------------------------------------------------------------------
 
 def sweeps_to_show(client: MlflowClient, experiment_id: str, wanted: str) -> list[str]:
-    """`wanted`: 'active' (sweeps whose plan run is RUNNING, else the newest sweep), 'all', or ids, comma-separated."""
-    if wanted not in ("active", "all"):
+    """`wanted`: 'active' (sweeps whose plan run is RUNNING or, for a search, a trial's run; else the newest
+    sweep), 'latest' (the newest sweep), 'all', or ids, comma-separated."""
+    if wanted not in SWEEP_CHOICES:
         return wanted.split(",")
     plan_filter = f"tags.`gaexp.role` = '{ROLE}'"
     if wanted == "all":
@@ -404,15 +405,28 @@ def sweeps_to_show(client: MlflowClient, experiment_id: str, wanted: str) -> lis
         runs = search_all(client, [experiment_id], "tags.norm != ''", ["attributes.start_time DESC"])
         ids = dict.fromkeys([p.data.tags["sweep_id"] for p in plans] + [r.data.tags.get("sweep_id", "") for r in runs])
         return [i for i in ids if i]
-    active = [p.data.tags["sweep_id"] for p in search_all(client, [experiment_id], plan_filter + " and "
-                                                             "attributes.status = 'RUNNING'")]
-    searching = search_all(client, [experiment_id], "attributes.status = 'RUNNING' and tags.`optuna.study` != ''")
-    active += [r.data.tags["sweep_id"] for r in searching]  # an Optuna sweep records no plan run: its trials running
-    if active:
-        return list(dict.fromkeys(active))
-    newest = (newest_run(client, [experiment_id], plan_filter)
-              or newest_run(client, [experiment_id], "", lambda run: "norm" in run.data.tags))
-    return [newest.data.tags.get("sweep_id", "")] if newest is not None else []
+    if wanted == "active":
+        active = [p.data.tags["sweep_id"] for p in search_all(client, [experiment_id], plan_filter + " and "
+                                                                 "attributes.status = 'RUNNING'")]
+        searching = search_all(client, [experiment_id], "attributes.status = 'RUNNING' and tags.`optuna.study` != ''")
+        active += [r.data.tags["sweep_id"] for r in searching]  # an Optuna sweep records no plan run: its trials running
+        if active:
+            return list(dict.fromkeys(active))
+    newest = newest_sweep(client, experiment_id)
+    return [newest] if newest is not None else []
+
+
+SWEEP_CHOICES = ("active", "latest", "all")
+
+
+def newest_sweep(client: MlflowClient, experiment_id: str) -> str | None:
+    """The sweep that started last, of any kind: that of the newer of the newest plan run (a grid sweep, or
+    one that only resumed over finished cells) and the newest cell run (a grid's cell, a search's trial,
+    which records no plan run, or a run of no sweep). None: neither."""
+    found = [run for run in (newest_run(client, [experiment_id], f"tags.`gaexp.role` = '{ROLE}'"),
+                             newest_run(client, [experiment_id], "", lambda run: "norm" in run.data.tags))
+             if run is not None]
+    return max(found, key=lambda run: run.info.start_time).data.tags.get("sweep_id", "") if found else None
 
 
 def search_lines(runs: Sequence[Run], sweep_id: str, now: float) -> list[str] | None:
@@ -442,7 +456,8 @@ def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_a
     now = time.time() if now is None else now
     plan_run, runs = sweep_runs(client, experiment_id, sweep_id)
     if plan_run is None and not runs:
-        raise ValueError(f"no sweep {sweep_id!r} in this experiment")
+        raise ValueError(f"no sweep {sweep_id!r} in this experiment; valid: "
+                         f"{', '.join(SWEEP_CHOICES)}, or sweep ids, comma-separated")
     plan, cells = plan_of(plan_run), cells_of(client, runs, sweep_id, now)
     if plan.started is None and cells:  # no plan recorded: the sweep started with its first cell
         plan = Plan(None, None, None, min(now - c.elapsed_s for c in cells))
@@ -463,7 +478,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gaexp-status", description=(
         "Where gaexp sweeps stand, read from the tracking store: cells by state, the running ones, the ETA."))
     cli.add_store_arguments(parser, sweep="active", sweep_help="'active' (sweeps still running, else the newest), "
-                                                               "'all', or sweep ids, comma-separated")
+                                                               "'latest' (the newest sweep, grid or search), 'all', "
+                                                               "or sweep ids, comma-separated")
     parser.add_argument("--watch", type=float, default=0, metavar="S", help="print again every S seconds until "
                         "no shown sweep is running (0: once; default: %(default)s)")
     parser.add_argument("--stale-after-s", type=float, default=3600,
@@ -474,24 +490,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"error: --tracking-uri {args.tracking_uri!r}; valid: {cli.STORE_FORMS}")
     if args.watch < 0:
         sys.exit(f"error: --watch {args.watch}; valid: 0 (once) or a number of seconds > 0")
-    client = MlflowClient(args.tracking_uri)
     try:
-        experiment = client.get_experiment_by_name(args.experiment)
-        if experiment is None:
-            names = [e.name for e in client.search_experiments()]
-            sys.exit(f"error: no experiment {args.experiment!r} in {args.tracking_uri}; there: {names}")
-        while True:
-            shown = sweeps_to_show(client, experiment.experiment_id, args.sweep)
-            if not shown:
-                sys.exit(f"error: experiment {args.experiment!r} has no gaexp sweep yet")
-            blocks = [status_text(client, experiment.experiment_id, s, args.stale_after_s) for s in shown]
-            print("\n\n".join(text for text, _ in blocks), flush=True)
-            if not args.watch or not any(running for _, running in blocks):
-                return
-            time.sleep(args.watch)
-            print()
+        with cli.store_errors(args.tracking_uri):
+            show(MlflowClient(args.tracking_uri), args.experiment, args.sweep, args.watch, args.stale_after_s)
     except (MlflowException, ValueError) as e:
         sys.exit(f"error: {e}")
+
+
+def show(client: MlflowClient, experiment_name: str, sweep: str, watch: float, stale_after_s: float) -> None:
+    """gaexp-status's blocks, printed once, or every `watch` s until no shown sweep is running."""
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        names = [e.name for e in client.search_experiments()]
+        sys.exit(f"error: no experiment {experiment_name!r} in {mask(client.tracking_uri)}; there: {names}")
+    while True:
+        shown = sweeps_to_show(client, experiment.experiment_id, sweep)
+        if not shown:
+            sys.exit(f"error: experiment {experiment_name!r} has no gaexp sweep yet")
+        blocks = [status_text(client, experiment.experiment_id, s, stale_after_s) for s in shown]
+        print("\n\n".join(text for text, _ in blocks), flush=True)
+        if not watch or not any(running for _, running in blocks):
+            return
+        time.sleep(watch)
+        print()
 
 
 if __name__ == "__main__":

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import progress, tracking
 from gaexp.progress import Cell, Plan
+from hydra_plugins.gaexp_optuna_sweeper import tally
+from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 from tests.conftest import CELL_SWEEP, cell_run
 
 PROTOCOL = dict(num_iterations=3600, eval_period=300)
@@ -289,3 +295,93 @@ def test_live_waits_out_a_store_it_cannot_read(tmp_path):
                          bar=False, out=io.StringIO())
     assert live.poll() is None
     assert (tmp_path / "mlflow.db").read_bytes() == b"not a database" * 100  # nothing written either
+
+
+# --- which sweep gaexp-status shows by default ---------------------------------------------------------------
+
+GRID, SEARCH = "2026-12-01_08-00-00", "2026-12-01_09-00-00"
+
+
+def add_grid(client: MlflowClient, experiment_id: str, ago: float) -> None:
+    """A finished grid sweep `GRID`, started `ago` s before now: its plan run, then 2 cells."""
+    plan_id = client.create_run(experiment_id, run_name=f"sweep-{GRID}", start_time=int((time.time() - ago) * 1000),
+                                tags={"gaexp.role": progress.ROLE, "sweep_id": GRID, "gaexp.cells": "2",
+                                      "gaexp.expected_s": "400", "gaexp.cells_at_once": "1"}).info.run_id
+    client.set_terminated(plan_id, "FINISHED")
+    for seed, after in ((1, 10), (2, 200)):
+        cell_run(client, experiment_id, f"bn-bs16a1-s{seed}", "FINISHED", sweep_id=GRID, evals=((3600, 0.9),),
+                 elapsed=ago - after, b=16, k=1)
+
+
+def add_search(client: MlflowClient, experiment_id: str, storage: Path, ago: float) -> None:
+    """A finished Optuna search `SEARCH`, started `ago` s before now, as its sweeper records it: no plan run;
+    in a real study storage (a journal file) its plan and 2 trials, valued 0.95 and 0.97; in MLflow a run per
+    trial naming the study and its storage."""
+    study = optuna.create_study(study_name="t", storage=open_storage(str(storage)), direction="maximize")
+    started = time.time() - ago
+    study.set_user_attr(tally.PLAN + SEARCH, {"studies": ["t"], "trials": [2], "direction": "maximize", "n_jobs": 1,
+                                              "started": started, "ended": started + 100})
+    for number, value in enumerate((0.95, 0.97)):
+        trial = study.ask()
+        trial.set_user_attr(tally.SWEEP, SEARCH)
+        study.tell(trial, value)
+        run_id = cell_run(client, experiment_id, f"gn4-bs16a1-s{number + 1}", "FINISHED", sweep_id=SEARCH,
+                          evals=((3600, value),), elapsed=ago - 10 * number, b=16, k=1,
+                          tags={"optuna.study": "t", "optuna.trial": number})
+        client.log_param(run_id, "optuna.storage", str(storage))
+
+
+@pytest.fixture
+def grid_then_search(tmp_path):
+    """A real store with a grid sweep and, started after it, an Optuna search."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    add_grid(client, experiment_id, ago=3000)
+    add_search(client, experiment_id, tmp_path / "optuna.journal", ago=1000)
+    return uri, client, experiment_id
+
+
+def test_the_default_and_latest_sweep_is_a_newer_search_not_the_older_grid(grid_then_search, tmp_path):
+    """The grid's plan run is the newest plan run, yet the search started after the grid's every run: it
+    is the newest sweep, both by default (nothing running) and with --sweep latest, as gaexp-report takes it."""
+    uri, *_ = grid_then_search
+    procs = [subprocess.Popen([str(Path(sys.executable).parent / "gaexp-status"), "--tracking-uri", uri, *argv],
+                              cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for argv in ([], ["--sweep", "latest"])]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        lines = out.splitlines()
+        assert lines[0] == f"sweep {SEARCH} (Optuna search)"
+        assert lines[1].startswith("  2/2 trials: 2 complete, 0 pruned, 0 failed, 0 running, 0 waiting; "
+                                   "best 0.9700 (trial 1); elapsed 1m40s")
+        assert len(lines) == 2
+
+
+@pytest.mark.parametrize("wanted", ["active", "latest"])
+def test_the_newest_sweep_is_the_one_that_started_last_whatever_its_kind(tmp_path, wanted):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    add_grid(client, experiment_id, ago=3000)
+    assert progress.sweeps_to_show(client, experiment_id, wanted) == [GRID]
+    add_search(client, experiment_id, tmp_path / "optuna.journal", ago=2000)  # a search after the grid's every run
+    assert progress.sweeps_to_show(client, experiment_id, wanted) == [SEARCH]
+    resume = "2026-12-01_10-00-00"  # a rerun of the grid that found every cell done: its plan run, no cell run
+    plan = client.create_run(experiment_id, run_name=f"sweep-{resume}", start_time=int((time.time() - 1000) * 1000),
+                             tags={"gaexp.role": progress.ROLE, "sweep_id": resume, "gaexp.cells": "2",
+                                   "gaexp.expected_s": "400"})
+    client.set_terminated(plan.info.run_id, "FINISHED")
+    assert progress.sweeps_to_show(client, experiment_id, wanted) == [resume]
+
+
+def test_latest_shows_the_newest_sweep_only_while_active_shows_every_running_one(store):
+    """Two sweeps running at once, the store's grid and a search started after it: 'active' shows both,
+    'latest' the search."""
+    uri, client, experiment_id, _ = store
+    later = "2026-12-02_09-00-00"
+    cell_run(client, experiment_id, "none-bs1a16-s1", "RUNNING", sweep_id=later, elapsed=0,  # after the plan run
+             tags={"optuna.study": "t", "optuna.trial": 0})
+    assert progress.sweeps_to_show(client, experiment_id, "latest") == [later]
+    assert progress.sweeps_to_show(client, experiment_id, "active") == [SWEEP, later]
