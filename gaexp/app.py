@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gaexp import redact, targets
+from gaexp import liveness, redact, targets
 from gaexp.cell import run_cell
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, composition_problem, hydra_overrides, unknown_choice
 from gaexp.hooks import Stopped
@@ -44,14 +44,16 @@ def main(cfg: DictConfig) -> float:
     redact.mask_logs()  # the job's console and log file
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
-    try:
-        if hc.mode != RunMode.MULTIRUN:
-            return run_cell(cfg, sweep_id=Path(hc.run.dir).name, hydra_dir=output_dir / hc.output_subdir)
-        return sweep_cell(cfg, hc, output_dir)
-    except Stopped as e:  # a trial its pruner stopped: not a failure, the sweeper records it PRUNED
-        import optuna
+    watch = liveness.sweep_watch()  # in a launcher's worker: the sweep's process, to stop with it
+    with watch.running_cell() if watch is not None else nullcontext():
+        try:
+            if hc.mode != RunMode.MULTIRUN:
+                return run_cell(cfg, sweep_id=Path(hc.run.dir).name, hydra_dir=output_dir / hc.output_subdir)
+            return sweep_cell(cfg, hc, output_dir)
+        except Stopped as e:  # a trial its pruner stopped: not a failure, the sweeper records it PRUNED
+            import optuna
 
-        raise optuna.TrialPruned(str(e)) from None
+            raise optuna.TrialPruned(str(e)) from None
 
 
 def sweep_cell(cfg: DictConfig, hc: DictConfig, output_dir: Path) -> float:
@@ -64,8 +66,8 @@ def sweep_cell(cfg: DictConfig, hc: DictConfig, output_dir: Path) -> float:
     except Stopped:
         raise
     except Exception as e:  # noqa: BLE001 - one failed cell must not stop the others; FailuresCallback reports it
-        log.exception("cell %s failed", hc.job.override_dirname)
-        (output_dir / FAILED_MARKER).write_text(f"{type(e).__name__}: {e}")
+        log.exception("cell %s failed", hc.job.override_dirname)  # masked, its traceback too (redact.mask_logs)
+        (output_dir / FAILED_MARKER).write_text(redact.masked_exception(e))
         return float("nan")
 
 
@@ -73,13 +75,14 @@ def cli(argv: Sequence[str] | None = None) -> None:
     """The `gaexp` command (`python -m gaexp` too): the current folder first on the import path as `python -m`
     has it, so a model.target, norm.target or data.target beside the user imports; an unknown group choice,
     an unknown key or a value of the wrong type refused in one line before Hydra's own longer message (the
-    first cell composed once more); then `main`."""
+    first cell composed once more); then `main`. Everything it prints is masked (gaexp/redact.py)."""
+    redact.mask_terminal()  # whatever prints: Hydra's own errors, a lexer's echo of an override
     targets.import_from_cwd()
     overrides = hydra_overrides(sys.argv[1:] if argv is None else argv)
     searched = any(o.lstrip("+").startswith("hydra.searchpath") for o in overrides)  # files this cannot see
     problem = None if searched else unknown_choice(overrides) or composition_problem(overrides)
     if problem:
-        raise SystemExit(f"error: {problem}")
+        raise SystemExit(redact.mask(f"error: {problem}"))
     main()
 
 

@@ -22,6 +22,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from gaexp import cli, progress
+from gaexp.redact import mask
 
 
 @dataclass(frozen=True)
@@ -93,17 +94,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="leave out moments with fewer seconds left from the summary (default: %(default)s)")
     args = parser.parse_args(argv)
     cli.require_store(args.tracking_uri)
-    client = MlflowClient(args.tracking_uri)
-    experiment = client.get_experiment_by_name(args.experiment)
-    if experiment is None:
-        sys.exit(f"error: no experiment {args.experiment!r} in {args.tracking_uri}")
-    ids = [args.sweep] if args.sweep else progress.sweeps_to_show(client, experiment.experiment_id, "all")[:1]
-    for sweep_id in ids:
-        plan_run, runs = progress.sweep_runs(client, experiment.experiment_id, sweep_id)
-        if plan_run is None or plan_run.info.end_time is None:
-            sys.exit(f"error: sweep {sweep_id!r} has no ended plan run; valid: a sweep of the gaexp sweeper that ended")
-        print(f"sweep {sweep_id}: {len(runs)} cells, {progress.duration((plan_run.info.end_time - plan_run.info.start_time) / 1000)}")
-        print(table(replay(plan_run, runs), args.floor_s))
+    with cli.store_errors(args.tracking_uri):
+        client = MlflowClient(args.tracking_uri)
+        experiment = client.get_experiment_by_name(args.experiment)
+        if experiment is None:
+            sys.exit(mask(f"error: no experiment {args.experiment!r} in {args.tracking_uri}"))
+        ids = [args.sweep] if args.sweep else progress.sweeps_to_show(client, experiment.experiment_id, "all")[:1]
+        for sweep_id in ids:
+            plan_run, runs = progress.sweep_runs(client, experiment.experiment_id, sweep_id)
+            if plan_run is None or plan_run.info.end_time is None:
+                sys.exit(f"error: sweep {sweep_id!r} has no ended plan run; valid: a sweep of the gaexp sweeper that ended")
+            print(f"sweep {sweep_id}: {len(runs)} cells, {progress.duration((plan_run.info.end_time - plan_run.info.start_time) / 1000)}")
+            print(table(replay(plan_run, runs), args.floor_s))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Whether a run's process or SLURM job still runs is asked of gaexp/liveness.py.
 
 from __future__ import annotations
 
+import base64
 import gc
 import hashlib
 import json
@@ -18,6 +19,7 @@ import tempfile
 import time
 import traceback
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,8 @@ from gaexp.redact import mask
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
     import torch
 
+log = logging.getLogger("gaexp.app")  # the application's log
+
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 MAX_TAG_LENGTH = 8000  # and on a tag value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
@@ -55,14 +59,36 @@ def is_remote(tracking_uri: str) -> bool:
 
 
 def check_server(tracking_uri: str, timeout: float = 5.0) -> None:
-    """Fail fast, naming the URI, on a tracking server that does not answer (the schema checked the scheme)."""
+    """Fail fast, naming the URI (its password masked), on a tracking server that does not answer (the schema
+    checked the scheme). A user and password in the URI are sent as basic auth, as the MLflow client sends them,
+    and so are MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; urllib would take `user:pass@host` for
+    the host's name."""
     if tracking_uri.startswith(("http://", "https://")):
+        url, credentials = without_userinfo(tracking_uri)
+        request = urllib.request.Request(f"{url.rstrip('/')}/health")
+        if credentials is None and os.environ.get("MLFLOW_TRACKING_USERNAME"):
+            credentials = (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ.get("MLFLOW_TRACKING_PASSWORD", ""))
+        if credentials is not None:
+            token = base64.b64encode(":".join(credentials).encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
         try:
-            with urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health", timeout=timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 response.read()
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, ValueError) as e:
             reason = getattr(e, "reason", e)
-            raise ConnectionError(f"MLflow tracking server {tracking_uri} unreachable: {reason}") from None
+            raise ConnectionError(mask(f"MLflow tracking server {tracking_uri} unreachable: {reason}")) from None
+
+
+def without_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
+    """An HTTP(S) URL without its `user:password@` (the userinfo up to the last `@` of the authority, as
+    urllib and requests take it), and the user and password, percent-decoded; None without a userinfo."""
+    parts = urllib.parse.urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=host))
+    return bare, (urllib.parse.unquote(user), urllib.parse.unquote(password))
 
 
 def prepare_store(tracking_uri: str, experiment_name: str, artifact_location: str | None) -> str:
@@ -219,6 +245,37 @@ def find_finished(client: MlflowClient, experiment_id: str, key: str) -> Run | N
     runs = client.search_runs([experiment_id], f"tags.protocol_key = '{key}' and attributes.status = 'FINISHED'",
                               order_by=["attributes.start_time ASC"], max_results=1)
     return runs[0] if runs else None
+
+
+def live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s: float,
+              now: float | None = None) -> list[Run]:
+    """The RUNNING runs of the same protocol whose process still runs on this host (another process than this
+    one) with a heartbeat younger than `stale_after_s`: a cell that a killed sweep's worker may still train."""
+    now = time.time() if now is None else now
+    live = []
+    for run in client.search_runs([experiment_id], f"tags.protocol_key = '{key}' and attributes.status = 'RUNNING'"):
+        tags = run.data.tags
+        host, _, pid = tags.get(HOST, ":").rpartition(":")
+        beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
+        if (host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and now - beat <= stale_after_s
+                and liveness.process_alive(int(pid), tags.get(PROCESS_START))):
+            live.append(run)
+    return live
+
+
+def wait_for_live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s: float,
+                       poll_s: float = 1.0) -> list[str]:
+    """Wait while a run of the same protocol runs in another live process on this host (`live_runs`), so that a
+    cell is never trained twice at once; returns the names of the runs waited for."""
+    waited: list[str] = []
+    while runs := live_runs(client, experiment_id, key, stale_after_s):
+        for run in runs:
+            if run.info.run_name not in waited:
+                waited.append(run.info.run_name)
+                log.info("%s: waiting for its run %s, RUNNING in process %s", run.info.run_name, run.info.run_id,
+                         run.data.tags[HOST])
+        time.sleep(poll_s)
+    return waited
 
 
 def sweeps_of(run: Run) -> list[str]:

@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from gaexp import cli, tracking  # noqa: E402
-from gaexp.redact import mask  # noqa: E402
+from gaexp.redact import mask, reconnectable  # noqa: E402
 from gaexp.config import AnalysisConfig  # noqa: E402
 from gaexp.trial import describe_objective  # noqa: E402
 
@@ -36,19 +36,22 @@ STUDY_ROLE = "study"  # tag gaexp.role of a study's parent run
 TRIAL_ROLE = "trial"  # tag gaexp.role of a trial's run when the trial has repeats (their runs its children)
 
 
-def report_studies(client: MlflowClient, experiment_id: str, results: Path, design: AnalysisConfig) -> list[str]:
+def report_studies(client: MlflowClient, experiment_id: str, results: Path, design: AnalysisConfig,
+                   storage: str | None = None) -> list[str]:
     """After a tuning sweep: one parent run per study (found again on later sweeps) carrying the best
     value and params, as metrics stepped by the trial count, the objective (tag `objective`), and
     Optuna's plots; its trials' runs become its children. `results`: the sweeper's
-    optimization_results.yaml; `design`: the sweep's analysis node, whose objective the trials returned.
-    Returns the study names."""
+    optimization_results.yaml; `design`: the sweep's analysis node, whose objective the trials returned;
+    `storage`: the study storage as the sweep's config gives it (the file has its password masked; without it,
+    the file's, connected as `reconnectable` makes it). Returns the study names."""
     summary = OmegaConf.load(results)
+    storage = storage or reconnectable(summary.storage)
     for name, outcome in summary.studies.items():
-        study = optuna.load_study(study_name=name, storage=open_storage(summary.storage))
+        study = optuna.load_study(study_name=name, storage=open_storage(storage))
         found = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}' and tags.`optuna.study` = '{name}'")
         parent = found[0].info.run_id if found else client.create_run(
             experiment_id, run_name=f"study-{name}",
-            tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": mask(summary.storage)}).info.run_id
+            tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": mask(storage)}).info.run_id
         trials = len(study.trials)
         client.set_tag(parent, "optuna.states", ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
         client.set_tag(parent, "objective", describe_objective(design))
@@ -180,10 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     cli.require_store(args.tracking_uri)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one config.yaml per study: no bars
     try:
-        commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,
-                                  args.overrides)
+        with cli.store_errors(args.tracking_uri):
+            commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,
+                                      args.overrides)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(mask(f"error: {e}"))
     for name, outcome, overrides in commands:
         print(f"{name}: best trial {outcome['trial']}, value {outcome['value']:.4f}, "
               + ", ".join(f"{k}={v}" for k, v in outcome.items() if k not in ("trial", "value")))

@@ -20,7 +20,7 @@ from typing import Sequence
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from gaexp import cli, tracking
+from gaexp import cli, redact, tracking
 
 WORKFLOW = "machine_learning"  # the UI's value for model training: runs, models, metrics
 STORE_FORM = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
@@ -78,20 +78,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the UI listens on (default: %(default)s)")
     parser.add_argument("--port", default="5000", help="port the UI listens on (default: %(default)s)")
     args = parser.parse_args(argv)
+    redact.mask_terminal()  # a store's password is never printed
     if tracking.is_remote(args.store):  # a tracking server serves its own UI: the links, nothing started
         try:
             tracking.check_server(args.store)
             experiments = tag_experiments(args.store)
         except (ValueError, OSError) as e:
-            sys.exit(f"error: {e}")
+            sys.exit(redact.mask(f"error: {e}"))
+        address = tracking.without_userinfo(args.store)[0]  # the browser asks for the user and password
         for experiment_id, name, runs in experiments:
-            print(f"{name}: {runs} runs  {runs_link(args.store, experiment_id)}")
-        print(f"{args.store} serves its own UI" + ("" if experiments else "; no runs there yet"))
+            print(f"{name}: {runs} runs  {runs_link(address, experiment_id)}")
+        print(f"{address} serves its own UI" + ("" if experiments else "; no runs there yet"))
         return
     try:
         port = parse_port(args.port)
         store_path(args.store)
-        experiments = tag_experiments(args.store)
+        cli.require_store(args.store)
+        with cli.store_errors(args.store):
+            experiments = tag_experiments(args.store)
     except ValueError as e:
         sys.exit(f"error: {e}")
     url = base_url(args.host, port)

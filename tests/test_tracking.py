@@ -354,3 +354,42 @@ def test_what_a_run_logs_is_what_the_metrics_declare(tmp_path):
         steps = [m.step for m in client.get_metric_history(run_id, name)]
         assert steps == ([2, 4] if declared[name].per == metrics.EVALUATION else [4]), name
     assert metrics.HISTORIES == ("valid_acc", "train_loss") and set(metrics.HISTORIES) <= set(vars(history[0]))
+
+
+def test_a_tracking_uri_with_a_password_reaches_the_server_as_basic_auth(monkeypatch):
+    """urllib would take `user:pass@host` for the host's name; the health check sends the user and password
+    (percent-decoded) as MLflow's client does, to the host alone, and an error names the URI masked."""
+    import base64
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Host"), self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    with ThreadingHTTPServer(("127.0.0.1", 0), Health) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        port = httpd.server_address[1]
+        tracking.check_server(f"http://carol:Car0l%2FPa%40ss%20w%C3%A9@127.0.0.1:{port}/")
+        tracking.check_server(f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "dave")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "fr0m-env")
+        tracking.check_server(f"http://127.0.0.1:{port}")
+        httpd.shutdown()
+    token = base64.b64encode("carol:Car0l/Pa@ss wé".encode()).decode()
+    assert seen == [("/health", f"127.0.0.1:{port}", f"Basic {token}"), ("/health", f"127.0.0.1:{port}", None),
+                    ("/health", f"127.0.0.1:{port}", f"Basic {base64.b64encode(b'dave:fr0m-env').decode()}")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(ConnectionError) as refused:
+        tracking.check_server(f"http://carol:Car0lUrlPassw0rdZ@127.0.0.1:{closed}", timeout=0.5)
+    assert str(refused.value).startswith(f"MLflow tracking server http://carol:***@127.0.0.1:{closed} unreachable: ")
