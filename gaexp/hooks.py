@@ -61,6 +61,22 @@ class Stopped(Exception):
         self.step, self.reason = step, reason
 
 
+class SweepGone(Stopped):
+    """The process that launched this cell is gone: the cell stops, its run KILLED, and nobody waits for it."""
+
+
+class StopWhenSweepGone(Hook):
+    """Raise SweepGone at the first step after `watch` (gaexp/liveness.py `SweepWatch`) saw the sweep's process
+    go: a killed sweep's workers train nothing more for nobody."""
+
+    def __init__(self, watch) -> None:
+        self.watch = watch
+
+    def after_step(self, step: int, losses: torch.Tensor) -> None:
+        if self.watch.gone:
+            raise SweepGone(step, self.watch.reason)
+
+
 class DivergenceCheck(Hook):
     """Raise DivergedError naming the first non-finite step loss, checked every `every` steps (each
     one on the CPU, where it costs nothing; a GPU would synchronize) and before every evaluation."""

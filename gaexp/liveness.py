@@ -1,14 +1,19 @@
 """Whether what ran a run still runs: a process on this host (pid and start time, from /proc) and a SLURM job
-(its environment, and the cluster's accounting through `sacct`). No MLflow here: gaexp/tracking.py records
+(its environment, and the cluster's accounting through `sacct`); and a launcher's worker watching the sweep's
+process, to stop with it (`SweepWatch`). No MLflow here: gaexp/tracking.py records
 these and marks the runs whose process is gone."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 SLURM_LIVE = ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING")
 
@@ -58,3 +63,78 @@ def slurm_job_end(job: str) -> str | None:
         return None
     states = proc.stdout.split("\n")[0].split() if proc.returncode == 0 else []  # e.g. "CANCELLED by 0"
     return states[0] if states and states[0] not in SLURM_LIVE else None
+
+
+# --- a sweep's cells die with it ---------------------------------------------------------------------------
+
+SWEEP_PROCESS = "GAEXP_SWEEP_PROCESS"  # environment: `host:pid:start` of the process that launches a sweep's cells
+
+
+def this_process() -> str:
+    """This process as SWEEP_PROCESS names it, for the processes it starts."""
+    return f"{socket.gethostname()}:{os.getpid()}:{process_start(os.getpid()) or ''}"
+
+
+def launching_process(environ: Mapping[str, str] = os.environ) -> tuple[int, str | None] | None:
+    """(pid, start) of the process that launched this one's cell, where it runs on this host and is another
+    process than this one (a launcher's worker: joblib's, Ray's); None otherwise (a cell in the launching process
+    itself, a SLURM job on another node, a process no sweep launched)."""
+    host, _, rest = environ.get(SWEEP_PROCESS, "").partition(":")
+    pid, _, start = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return None
+    return int(pid), start or None
+
+
+class SweepWatch:
+    """Whether the process that launched this worker's cells still runs, asked every `poll_s` from a daemon
+    thread. Once it is gone (killed with SIGKILL, say, which its workers never hear of): `gone` is true, so the
+    cell training here stops at its next step (gaexp/hooks.py `StopWhenSweepGone`) and ends its run KILLED,
+    and this worker process exits as soon as no cell runs in it, or after `grace_s` whatever it does, instead
+    of finishing its cells for nobody and idling for minutes as an orphan, while a rerun trains them again."""
+
+    def __init__(self, pid: int, started: str | None, poll_s: float = 1.0, grace_s: float = 120.0) -> None:
+        self.pid, self.started, self.poll_s, self.grace_s = pid, started, poll_s, grace_s
+        self.gone, self.cells = False, 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._watch, name="gaexp-sweep-watch", daemon=True).start()
+
+    @property
+    def reason(self) -> str:
+        return f"the sweep's process {self.pid} is gone"
+
+    def _watch(self) -> None:
+        while process_alive(self.pid, self.started):
+            time.sleep(self.poll_s)
+        self.gone = True
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.cells:
+                    os._exit(1)
+            time.sleep(self.poll_s)
+        os._exit(1)
+
+    @contextmanager
+    def running_cell(self) -> Iterator[None]:
+        """A cell runs in this process: once it ends, a worker whose sweep is gone exits."""
+        with self.lock:
+            self.cells += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.cells -= 1
+                if self.gone and not self.cells:
+                    os._exit(1)
+
+
+_watch: SweepWatch | None = None
+
+
+def sweep_watch(environ: Mapping[str, str] = os.environ) -> SweepWatch | None:
+    """This process's SweepWatch, started on first use, where a sweep's process launched it on this host."""
+    global _watch
+    if _watch is None and (launcher := launching_process(environ)) is not None:
+        _watch = SweepWatch(*launcher)
+    return _watch
