@@ -29,12 +29,21 @@ def add_store_arguments(parser: argparse.ArgumentParser, experiment: str = "gaex
     """`flag` (the store; default: `default_store()` unless required), `--experiment` and, with `sweep_help`,
     `--sweep` (default `sweep`)."""
     if required:
-        parser.add_argument(flag, required=True, help=f"MLflow store: {STORE_FORMS}")
+        parser.add_argument(flag, required=True, type=unmasked, help=f"MLflow store: {STORE_FORMS}")
     else:
-        parser.add_argument(flag, default=default_store(), help=f"MLflow store: {STORE_FORMS} (default: %(default)s)")
+        parser.add_argument(flag, default=default_store(), type=unmasked,
+                            help=f"MLflow store: {STORE_FORMS} (default: %(default)s)")
     parser.add_argument("--experiment", default=experiment, help="experiment name (default: %(default)s)")
     if sweep_help:
         parser.add_argument("--sweep", default=sweep, help=f"{sweep_help} (default: %(default)s)")
+
+
+def unmasked(uri: str) -> str:
+    """A store as gaexp prints it in a hint (`http://user:***@host`) made to connect: its masked password left
+    out, which the MLflow client then takes from MLFLOW_TRACKING_PASSWORD."""
+    from gaexp.redact import reconnectable
+
+    return reconnectable(uri)
 
 
 def store_file(uri: str) -> Path | None:

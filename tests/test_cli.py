@@ -3,6 +3,7 @@ script that reads a store, and is never written by the check."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import sqlite3
 import subprocess
@@ -125,3 +126,13 @@ def test_every_command_that_reads_a_store_says_one_line_for_a_damaged_one(damage
             assert err.startswith(f"error: the MLflow store {path} cannot be read: {cause}"), (name, command, err)
             assert "Traceback" not in err and out == "", (name, command)
         assert path.read_bytes() == before, name
+
+
+def test_a_store_printed_masked_in_a_hint_connects_as_printed():
+    """A report's rerun hint names the store as gaexp prints it, `http://user:***@host`: the store argument leaves
+    the masked password out, for the MLflow client to take from MLFLOW_TRACKING_PASSWORD."""
+    parser = argparse.ArgumentParser()
+    cli.add_store_arguments(parser)
+    assert parser.parse_args(["--tracking-uri", "http://bob:***@127.0.0.1:5000"]).tracking_uri == "http://bob@127.0.0.1:5000"
+    assert parser.parse_args(["--tracking-uri", "https://***@mlflow.lab"]).tracking_uri == "https://mlflow.lab"
+    assert parser.parse_args([]).tracking_uri == cli.default_store()

@@ -129,6 +129,8 @@ def documented_commands() -> list[Command]:
 
 
 COMMANDS = documented_commands()
+EXPORTS = {m.group(1): shlex.split(m.group(2))[0] for doc in DOCUMENTS  # `export NAME=value` lines of the docs
+           for m in re.finditer(r"^export (\w+)=(.+)$", doc.read_text(), re.M)}
 
 
 def check_hydra(overrides: list[str]) -> None:
@@ -202,6 +204,9 @@ def test_a_documented_command_works_as_written(command, monkeypatch, tmp_path):
         printed = refusal(command.argv) if head == "gaexp" else check_cli.run(args)[1]
         assert printed == command.refused
     elif head == "gaexp":
+        for name in re.findall(r"\$\{oc\.env:(\w+)\}", command.text):  # as the docs export it beside the command
+            assert name in EXPORTS, f"{command}: ${{oc.env:{name}}} with no `export {name}=...` in the docs"
+            monkeypatch.setenv(name, EXPORTS[name])
         check_hydra(hydra_overrides(command.argv[1:]))
     elif head in ("gaexp-check", "gaexp.check_cli"):
         parsed = check_cli.parser().parse_intermixed_args(args)
