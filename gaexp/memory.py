@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+CGROUP = Path("/sys/fs/cgroup")  # a container's memory limit: cgroup v2's memory.max, else v1's memory/ controller
+
 
 def activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     """Bytes of the tensors autograd saves for backward in one forward of micro-batch `x`.
@@ -50,3 +52,50 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def sample_bytes(model: torch.nn.Module, shape: tuple[int, int, int], samples: int = 2) -> float:
+    """`activation_bytes` per sample of images of `shape` (channels, height, width), measured on `samples`
+    blank ones: what each sample of a micro-batch adds to a step's memory."""
+    x = torch.zeros(samples, *shape).contiguous(memory_format=torch.channels_last)
+    return activation_bytes(model, x, torch.zeros(samples, dtype=torch.long)) / samples
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # absent, or "max": no limit
+        return None
+
+
+def _stat(path: Path, name: str) -> int:
+    try:
+        return next((int(line.split()[1]) for line in path.read_text().splitlines() if line.startswith(name + " ")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def available_bytes(device: torch.device, cgroup: Path = CGROUP) -> tuple[int, str] | None:
+    """(bytes a run on `device` may take, where the figure comes from): a CUDA device's total memory; on the CPU
+    what the kernel says can be allocated without swapping (MemAvailable), lowered to what this container's
+    cgroup has left under its limit; None where neither is known."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return total, f"of memory on {torch.cuda.get_device_name(device)}"
+    found = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found = (int(line.split()[1]) * 1024, "available on this machine (MemAvailable)")
+    except (OSError, ValueError):
+        pass
+    for limit, usage, stat, cache in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                      ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                       "memory/memory.stat", "total_inactive_file")):
+        high, used = _read_int(cgroup / limit), _read_int(cgroup / usage)
+        if high is not None and used is not None and high < 2**62:  # v1 writes "no limit" as a huge number
+            left = max(0, high - used + _stat(cgroup / stat, cache))  # its page cache the kernel can drop
+            if found is None or left < found[0]:
+                found = (left, f"left under this container's memory limit ({cgroup / limit})")
+            break
+    return found

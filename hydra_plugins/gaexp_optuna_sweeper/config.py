@@ -8,7 +8,9 @@ class's own default (tests/test_sweeper.py compares them with Optuna's signature
 scan imports this module in every Hydra application.
 """
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -23,6 +25,54 @@ PRUNER = "gaexp.pruner"  # a study's user attribute: the sweeper's pruner node, 
 HEARTBEAT = "gaexp.heartbeat"  # a trial's system attribute: its sweep's last beat, time.time() (journal storages)
 REPEATS = "gaexp.repeats"  # a trial's user attribute: each repeat's overrides and value
 CURVE = "gaexp.reports."  # + the repeat's index: a trial's user attribute, that repeat's reports {step: value}
+
+STORAGES = ("an RDB URL dialect[+driver]://[user[:password]@]host[:port]/database whose driver is installed here "
+            "(sqlite:////ABSOLUTE/PATH.db, postgresql://..., mysql+pymysql://...), or a journal file's path")
+
+
+def _journal_problem(path: Path) -> Optional[str]:
+    try:
+        folder = path.parent  # the nearest folder there is: open_storage makes the ones below it
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        return ("a folder, not a journal file" if path.is_dir() else
+                f"{folder} is a file, not a folder" if not folder.is_dir() else
+                f"this user cannot write in {folder}" if not os.access(folder, os.W_OK | os.X_OK) else None)
+    except OSError as e:
+        return f"its folder cannot be read ({e})"
+
+
+def storage_problem(storage: Optional[str]) -> Optional[str]:
+    """What is wrong with `hydra.sweeper.storage` in the forms trials.open_storage takes, as one line (unmasked:
+    the caller masks it), found without connecting or writing; None: fine, or null (the sweep's own journal).
+    An RDB URL (it has ://) must parse as SQLAlchemy's (an integer port), name a dialect and driver installed
+    here and a database file or server (SQLite in memory would be another empty database in each trial's
+    process); a journal file's folder must be one this process can make or write in."""
+    if storage is None:
+        return None
+    if "://" not in storage:
+        why = _journal_problem(Path(storage))
+    else:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+        try:
+            url = make_url(storage)
+            why = None
+        except (ArgumentError, ValueError) as e:
+            url, why = None, ("its port is not an integer" if "int()" in str(e) else
+                              f"SQLAlchemy cannot read it ({e})")
+        if url is not None:
+            try:
+                url.get_dialect().import_dbapi()
+            except NoSuchModuleError:
+                why = f"SQLAlchemy has no dialect+driver {url.drivername!r}"
+            except ImportError as e:
+                why = f"its driver for {url.drivername} is not installed here ({e})"
+            else:
+                if url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"):
+                    why = "SQLite in memory: each trial's process would see its own empty database"
+    return None if why is None else f"hydra.sweeper.storage={storage!r}: {why}; valid: {STORAGES}"
 
 
 @dataclass
