@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from hydra_plugins.gaexp_optuna_sweeper.config import RESULTS
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, redact, tracking, trial
+from gaexp import datasets, liveness, redact, tracking, trial
 from gaexp.cell import check
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, job_config
 
@@ -32,14 +34,31 @@ def is_search(cfg: DictConfig) -> bool:
 
 
 def prepare(cfg: DictConfig) -> str:
-    """Check the input, then data and MLflow store; returns the experiment id. Writes nothing on bad input."""
+    """Check the input (each value of a swept axis too, and gaexp's sweeper's settings), then data and MLflow
+    store; returns the experiment id. Writes nothing on bad input."""
+    from hydra.utils import instantiate
+
+    from gaexp.cell import check_split
+    from gaexp.config import swept_cells
+
     c = check(job_config(cfg))
+    for name, cell in swept_cells(cfg):  # Hydra gives a callback the swept keys at their defaults
+        try:
+            check(job_config(cell))
+        except Exception as e:  # noqa: BLE001 - as the grid sweeper names a bad cell
+            raise ValueError(f"cell {' '.join(name)}: {e}") from None
+    if str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")).startswith("hydra_plugins.gaexp_"):
+        try:  # its settings, checked as Hydra makes it (after this callback)
+            instantiate(cfg.hydra.sweeper)
+        except Exception as e:  # noqa: BLE001 - Hydra wraps the constructor's one line in its own lines
+            raise ValueError(str(e.__cause__ or e).splitlines()[0]) from None
     if is_search(cfg):  # before any trial
         trial.check_objective(c.train.num_iterations, c.analysis)
         trial.check_direction(cfg.hydra.sweeper.direction)
     tracking.check_server(c.mlflow.tracking_uri)
     datasets.fetch(c.data)  # files and their MD5s, a download: ready before any job
-    datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is recorded
+    train, _ = datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
+    check_split(c, len(train))  # the batch against the images it is drawn from, whatever the dataset's kind
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
@@ -60,10 +79,14 @@ class PrepareCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         HydraConfig.instance().set_config(config)  # as in a job: ${hydra:...} (conf/launch/) resolves
         redact.mask_logs()  # a storage URL's password never reaches the terminal or the sweep's log
+        redact.mask_terminal()
+        # a password typed on the command line or in a study file: the files Hydra and the jobs write are the owner's
+        redact.private_files(" ".join(sys.argv), OmegaConf.to_yaml(config))
+        os.environ[liveness.SWEEP_PROCESS] = liveness.this_process()  # the workers it starts stop when it is gone
         try:
             prepare(config)
         except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
-            raise SystemExit(f"error: {e}") from None
+            raise SystemExit(redact.mask(f"error: {e}")) from None
         for warning in launcher_warnings(config):
             log.warning(warning)
 
@@ -95,7 +118,7 @@ class FailuresCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failures = sorted(Path(config.hydra.sweep.dir).glob(f"*/{FAILED_MARKER}"))
         if failures:
-            lines = [f"  {p.parent.name}: {p.read_text().strip()}" for p in failures]
+            lines = [redact.mask(f"  {p.parent.name}: {p.read_text().strip()}") for p in failures]
             raise SystemExit(f"error: {len(failures)} cell(s) failed, the others ran:\n" + "\n".join(lines))
 
 
@@ -159,5 +182,7 @@ class StudiesCallback(Callback):
 
         client = MlflowClient(config.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
-        for name in tuning.report_studies(client, experiment_id, results, OmegaConf.to_object(config.analysis)):
+        storage = OmegaConf.select(config, "hydra.sweeper.storage")  # the results file has it masked
+        for name in tuning.report_studies(client, experiment_id, results, OmegaConf.to_object(config.analysis),
+                                          storage):
             log.info("study %s: parent run study-%s", name, name)

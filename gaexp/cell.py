@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import time
@@ -20,27 +21,107 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, metrics, norms, redact, tracking, trial
+from gaexp import datasets, liveness, metrics, norms, redact, tracking, trial
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
-from gaexp.config import Config, RegimeConfig, require, typed
+from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
 from gaexp.data import raw_dir
-from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped
+from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopWhenSweepGone, SweepGone
 from gaexp.machine import usable_cores
-from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
+from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, reset_peak_rss, sample_bytes
 from gaexp.model import check_model, make_model
 from gaexp.train import compile_phases, resolve_device, train
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
 
+def training_size(data: DataConfig) -> int | None:
+    """The training images left after data.holdout where the config declares their count (an idx dataset's
+    num_train, checked against its files when they are read); None: known once the data is read (`prepare`
+    checks `check_split` there)."""
+    return data.num_train - data.holdout if data.kind == "idx" and data.num_train is not None else None
+
+
+def check_split(c: Config, size: int) -> None:
+    """A micro-batch is at most the training split of `size` images (the data order draws each from the rest of
+    one permutation of it and the next: a larger one would silently hold fewer), and so are the b*k samples
+    accumulate=batched computes at once."""
+    b, k = c.regime.batch_size, c.regime.num_accum
+    split = f"the {size:,} training images of data={c.data.dataset}" + (
+        f" left after data.holdout={c.data.holdout:,}" if c.data.holdout else "")
+    require("regime.batch_size", b, b <= size, f"an integer in [1, {size}]: a micro-batch is at most {split}")
+    if c.accumulate == "batched":
+        require("regime.batch_size*regime.num_accum", b * k, b * k <= size,
+                f"at most {size}: accumulate=batched computes a step's {b} x {k} samples at once, at most {split} "
+                "(accumulate=loop draws them a micro-batch at a time)")
+
+
+def data_bytes(data: DataConfig, shape: tuple[int, int, int]) -> int:
+    """Bytes of both splits in memory (uint8 images, int64 labels), as far as known before they are read: an idx
+    dataset's from its files, its training images alone while the files are not there yet; 0 for the others
+    (reading them checks them against data.max_memory_mb)."""
+    if data.kind != "idx" or data.num_train is None:
+        return 0
+    files = [raw_dir(data) / name for name in data.files or {}]
+    if not files or not all(f.is_file() for f in files):
+        return data.num_train * (math.prod(shape) + 8)
+    return sum(f.stat().st_size * (1 if "images" in f.name else 8) for f in files)
+
+
+def size_text(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device) -> None:
+    """A step's memory, estimated, within what this machine has (`available_bytes`): the activations of the
+    samples held at once (one micro-batch; accumulate=batched: a step's b*k) at `sample_bytes` each, the data,
+    the model with its gradients and Adam's two moments, and the record of each step's loss. Refused in one line
+    naming the largest part and how far to lower it. Not checked where cells run on other hosts (their memory
+    is not this one's) or where neither the model's measure nor the machine's memory is known."""
+    if c.cells_elsewhere:
+        return
+    found = available_bytes(device)
+    if found is None:
+        return
+    available, where = found
+    try:
+        per_sample = sample_bytes(model, shape)
+    except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
+        return
+    b, k = c.regime.batch_size, c.regime.num_accum
+    batched = c.accumulate == "batched"
+    held, steps = (b * k if batched else b), c.train.num_iterations
+    data = data_bytes(c.data, shape)
+    weights = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients, Adam's moments
+    # each part: (what it is, its bytes, bytes per unit of the key that sets it, that key, what is valid: {} the
+    # most units that fit)
+    parts = [(f"{held:,} samples x {size_text(per_sample)} of activations", held * per_sample, per_sample,
+              f"regime.batch_size={b} regime.num_accum={k} accumulate=batched" if batched else f"regime.batch_size={b}",
+              "regime.batch_size x regime.num_accum <= {} (or accumulate=loop, which holds regime.batch_size "
+              "samples)" if batched else "regime.batch_size <= {}"),
+             (f"{size_text(4 * steps)} recording {steps:,} steps' losses", 4 * steps, 4,
+              f"train.num_iterations={steps}", "train.num_iterations <= {}"),
+             (f"{size_text(data)} of data", data, 0, f"data={c.data.dataset}", None),
+             (f"{size_text(weights)} of model, gradients and Adam", weights, 0, f"model={c.model.name}", None)]
+    need = sum(part[1] for part in parts)
+    if need <= available:
+        return
+    _, worst, unit, name, fix = max(parts, key=lambda part: part[1])
+    room = available - (need - worst)
+    valid = fix.format(f"{int(room // unit):,}") if unit and room >= unit else "less of each of these"
+    raise ValueError(f"{name}: a run needs about {size_text(need)} on {device.type} ({'; '.join(p[0] for p in parts)}),"
+                     f" more than the {size_text(available)} {where}; valid: {valid}")
+
+
 def check(cfg: DictConfig) -> Config:
     """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
     ranges (gaexp/config.py), the model against the data's shape and classes and the norm's options against
     the model (e.g. norm.groups against its channels), a compile that cannot run, a model accumulate=batched
-    cannot chunk, and for a search an objective without a value."""
+    cannot chunk, for a search an objective without a value, a batch larger than the training split (where the
+    config declares it) and a run larger than this machine's memory."""
     c = typed(cfg)
-    model = check_model(c, *datasets.describe(c.data))
+    shape, num_classes = datasets.describe(c.data)
+    model = check_model(c, shape, num_classes)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
@@ -49,6 +130,10 @@ def check(cfg: DictConfig) -> Config:
         coupled_layers(model)
     if c.optuna.study is not None:  # a trial: what it will return must exist
         trial.check_objective(c.train.num_iterations, c.analysis)
+    size = training_size(c.data)
+    if size is not None:
+        check_split(c, size)
+    check_memory(c, model, shape, device)
     return c
 
 
@@ -77,6 +162,8 @@ def deterministic_cuda() -> None:
 
 def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Config, sweep_id: str) -> Run | None:
     """The FINISHED run of the same protocol, now also counted in this sweep; None: the cell must run."""
+    if not c.rerun:  # the same cell still training in another process here (a killed sweep's worker): its end
+        tracking.wait_for_live_runs(client, experiment_id, key, c.mlflow.stale_after_s)
     done = None if c.rerun else tracking.find_finished(client, experiment_id, key)
     if done is not None:
         tracking.add_to_sweep(client, done, sweep_id)  # so this sweep's report includes it
@@ -142,7 +229,8 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
                 tracking.log_masked_artifacts(client, run_id, hydra_dir, "hydra")
             hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
                      *norms.declared(c.norm).hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *reporting,
-                     Progress(c.train.num_iterations, c.run_name, bar)]
+                     Progress(c.train.num_iterations, c.run_name, bar),
+                     *([StopWhenSweepGone(watch)] if (watch := liveness.sweep_watch()) is not None else [])]
             tic = time.perf_counter()
             try:
                 history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
@@ -150,6 +238,8 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
             except DivergedError as e:
                 client.set_tag(run_id, "diverged_step", str(e.step))
                 raise
+            if watch is not None and watch.gone:  # trained to its end for nobody: a rerun may be training it
+                raise SweepGone(c.train.num_iterations, watch.reason)
             batched = c.accumulate == "batched"  # a batched run's peaks are not the loop's
             rss, cuda = ((metrics.BATCHED_PEAK_RSS_MB, metrics.BATCHED_CUDA_MAX_MEM_MB) if batched else
                          (metrics.PEAK_RSS_MB, metrics.CUDA_MAX_MEM_MB))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
+import time
 
 import pandas as pd
 import pytest
@@ -72,6 +75,50 @@ def test_killed_sweep_resumes_without_rerunning_finished_cells(tmp_path, gaexp_a
     assert forced.returncode == 0, forced.stderr[-3000:]
     experiment_id = client.get_experiment_by_name("gaexp").experiment_id
     assert len(client.search_runs([experiment_id], "attributes.run_name = 'none-bs16a1-s1'")) == 2
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_alone_leaves_no_worker_and_its_rerun_trains_each_cell_once(tmp_path, gaexp_argv, gaexp_command):
+    """SIGKILL of the sweep's own process only, as `kill -9 $!` does: its joblib workers, which never hear of it,
+    stop at their next step (runs KILLED, the reason said) and exit; the rerun started at once waits for a cell
+    still training in such a worker instead of training it beside it: one FINISHED run per cell."""
+    grid = ["norm=gn4,none", "regime=bs4a4", "seed=1", "train.num_iterations=60", "train.eval_period=30", HOLDOUT,
+            "launch=joblib", "hydra.launcher.n_jobs=2"]
+    proc = subprocess.Popen(gaexp_argv(tmp_path, *grid), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while run_statuses(tmp_path / "mlflow.db").count("RUNNING") < 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "the cells never ran"
+            time.sleep(0.2)
+        assert proc.poll() is None, "the sweep ended before its cells ran"
+        os.kill(proc.pid, signal.SIGKILL)  # the sweep's process alone: its workers are orphans now
+        proc.wait()
+        again = gaexp_command(tmp_path, *grid)
+        assert again.returncode == 0, again.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not group_alive(proc.pid), "a worker of the killed sweep still runs"
+    finally:
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id], "tags.norm != ''")
+    finished = sorted(r.info.run_name for r in runs if r.info.status == "FINISHED")
+    assert finished == ["gn4-bs4a4-s1", "none-bs4a4-s1"]  # each cell trained to its end once
+    stopped = [r for r in runs if r.info.status != "FINISHED"]
+    assert len(stopped) == 2 and {r.info.status for r in stopped} == {"KILLED"}
+    assert all("is gone" in r.data.tags.get("gaexp.stopped_reason", r.data.tags.get("gaexp.killed_reason", ""))
+               for r in stopped)
 
 
 @pytest.mark.slow
@@ -216,8 +263,7 @@ def test_the_command_refuses_bad_input_in_one_line_and_records_nothing(tmp_path,
     # good cell norm.groups=8 comes first and would have run)
     swept = gaexp_command(tmp_path, "norm=gn", "norm.groups=8,3", "regime.batch_size=4")
     assert swept.returncode == 1
-    assert swept.stderr.strip().splitlines()[-1] == ("error: cell norm.groups=3: norm.groups=3 does not divide the "
-                                                     "channels [32, 64, 128, 256] of model=simple; valid: [1, 2, 4, 8, 16, 32]")
-    with sqlite3.connect(tmp_path / "mlflow.db") as con:  # not even the sweep's plan run
-        assert con.execute("SELECT COUNT(*) FROM runs").fetchone() == (0,)
+    assert swept.stderr.strip().splitlines() == ["error: cell norm.groups=3: norm.groups=3 does not divide the "
+                                                 "channels [32, 64, 128, 256] of model=simple; valid: [1, 2, 4, 8, 16, 32]"]
+    assert not (tmp_path / "mlflow.db").exists()  # every value of a swept axis checked before the store is made
     assert not list((tmp_path / "multirun").glob("*/*/"))  # no job folder either

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from optuna.trial import TrialState
 
 from hydra_plugins.gaexp_optuna_sweeper import tally as progress
 from hydra_plugins.gaexp_optuna_sweeper.config import (DIRECTIONS, HEARTBEAT, PROTOCOL, PRUNER, REPEATS, RESULTS,
-                                                       SweeperError)
+                                                       SweeperError, storage_problem)
 from hydra_plugins.gaexp_optuna_sweeper.trials import make, make_pruner, open_storage
 
 log = logging.getLogger(__name__)
@@ -308,6 +309,13 @@ def storage_and_name(storage: Optional[str], study_name: Optional[str], sweep_di
     return storage or str(sweep_dir / "optuna.journal"), study_name or f"no-name-{uuid.uuid4()}"
 
 
+def quoted(value: str) -> str:
+    """`value` as a quoted Hydra override value that parses back to exactly `value`, whatever it holds (quotes,
+    backslashes, `${`, `,`, spaces): a study name or a storage handed to a job on its command line."""
+    escaped = re.sub(r"\\+(?='|\$\{|$)", lambda m: m.group(0) * 2, value)  # backslashes before what is escaped
+    return "'" + escaped.replace("'", "\\'").replace("${", "\\${") + "'"
+
+
 def has_node(config: DictConfig, key: Optional[str]) -> bool:
     """Whether the app's config has the trial node `key` (the official plugin's apps have none: a job told
     `optuna.study=...` there would fail to compose)."""
@@ -333,8 +341,17 @@ class OptunaSweeperImpl:
                  f"null (2 x heartbeat_interval) or seconds >= heartbeat_interval ({heartbeat_interval})")):
             if not ok:
                 raise SweeperError(f"hydra.sweeper.{key}={value!r}; valid: {valid}")
+        if study_name is not None and "'" in study_name:  # gaexp/tuning.py finds the study's runs by `= '<name>'`
+            raise SweeperError(f"hydra.sweeper.study_name={study_name!r}: MLflow's run search, which finds a study's "
+                               "runs for its report, cannot match a ' in it; valid: a name without '")
+        problem = storage_problem(storage)  # its form, before anything connects to it or writes it
+        if problem:
+            from gaexp.redact import mask  # the app's mask: the URL's password never printed
+
+            raise SweeperError(mask(problem))
         self.sampler_node, self.pruner_node = sampler, pruner
         self.direction, self.study_name, self.storage = direction, study_name, storage
+        self.storage_interpolation: Optional[str] = None  # `${oc.env:VAR}`, where the config gives the storage so
         self.n_trials, self.n_jobs, self.max_batch_size = n_trials, n_jobs, max_batch_size
         self.max_failure_rate, self.trial_key = max_failure_rate, trial_key
         self.params, self.grid = dict(params or {}), dict(grid or {})
@@ -354,6 +371,9 @@ class OptunaSweeperImpl:
         self.sweep_dir = Path(config.hydra.sweep.dir)
         self.storage, self.study_name = storage_and_name(self.storage, self.study_name, self.sweep_dir)
         self.tells = has_node(config, self.trial_key)
+        # what a job is told: the storage as the config gives it, so `${oc.env:VAR}` stays that in every job's files
+        given = config.hydra.sweeper._get_node("storage")
+        self.storage_interpolation = given._value() if given is not None and given._is_interpolation() else None
 
     def sweep(self, arguments: List[str]) -> None:
         space, fixed, axes = split_arguments(self.params, self.grid, arguments)
@@ -394,8 +414,10 @@ class OptunaSweeperImpl:
                 plan["ended"] = time.time()
                 for study in studies:
                     study.set_user_attr(progress.PLAN + self.sweep_dir.name, plan)
-        OmegaConf.save(OmegaConf.create({"storage": self.storage, "direction": self.direction, "studies": results}),
-                       self.sweep_dir / RESULTS)
+        from gaexp.redact import mask  # the app's mask, loaded where a search ends
+
+        OmegaConf.save(OmegaConf.create({"storage": mask(self.storage), "direction": self.direction,
+                                         "studies": results}), self.sweep_dir / RESULTS)  # the storage's password masked
 
     def study(self, cell: Sequence[str], fixed: Dict[str, str], dropped: Sequence[str],
               sampler: optuna.samplers.BaseSampler) -> optuna.Study:
@@ -420,7 +442,7 @@ class OptunaSweeperImpl:
         lines = [f"{k}={v}" for k, v in fixed.items()] + list(cell) + [f"{k}={v!r}" for k, v in trial.params.items()]
         lines += repeats[repeat]
         if self.tells:
-            lines += [f"{self.trial_key}.storage='{self.storage}'", f"{self.trial_key}.study='{study.study_name}'",
+            lines += [f"{self.trial_key}.storage={self.storage_interpolation or quoted(self.storage)}", f"{self.trial_key}.study={quoted(study.study_name)}",
                       f"{self.trial_key}.trial={trial.number}"]
             if len(repeats) > 1:
                 lines += [f"{self.trial_key}.repeat={repeat}", f"{self.trial_key}.repeats={len(repeats)}"]
