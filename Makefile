@@ -56,7 +56,8 @@ ui:           ## browse every run: prints each experiment's link to its runs tab
 	$(PYTHON) -m gaexp.ui --store $(STORE) --host 127.0.0.1 --port $(PORT)
 
 server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines, then locked:
-              ## users and passwords, the admin's from MLFLOW_AUTH_ADMIN_PASSWORD (docs/cluster.md)
+              ## users and passwords, the admin's from MLFLOW_AUTH_ADMIN_PASSWORD (docs/cluster.md); its files are
+              ## owner-only; AUTH=yes locks it on the loopback too (a shared login node)
 	$(PYTHON) -m gaexp.server --root $(CURDIR)/outputs/server --host $(HOST) --port $(PORT) --auth $(AUTH) \
 	    $(if $(ALLOWED_HOSTS),--allowed-hosts $(ALLOWED_HOSTS))
 
