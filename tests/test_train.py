@@ -107,7 +107,8 @@ def test_compiled_evaluation_predicts_as_the_eager_model_except_near_ties(norm, 
     assert noise < 1e-4
     assert not (differ & ~ties).any(), f"{int((differ & ~ties).sum())} predictions differ outside ties"
     assert int(ties.sum()) < 10  # near ties are rare: the comparison is not vacuous
-    assert evaluate(model, valid_split) > 0.8  # trained, so the predictions mean something
+    assert evaluate(model, valid_split) > 0.7  # trained (chance: 0.1), so the predictions mean something; gn4
+    # reaches 0.794 after these 150 steps on this machine's kernels, the code before this change too
 
 
 @pytest.mark.slow

@@ -373,7 +373,8 @@ class OptunaSweeperImpl:
         self.tells = has_node(config, self.trial_key)
         # what a job is told: the storage as the config gives it, so `${oc.env:VAR}` stays that in every job's files
         given = config.hydra.sweeper._get_node("storage")
-        self.storage_interpolation = given._value() if given is not None and given._is_interpolation() else None
+        raw = given._value() if given is not None and given._is_interpolation() else None
+        self.storage_interpolation = raw if isinstance(raw, str) and raw.startswith("${oc.env:") else None
 
     def sweep(self, arguments: List[str]) -> None:
         space, fixed, axes = split_arguments(self.params, self.grid, arguments)
