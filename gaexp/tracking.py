@@ -247,6 +247,12 @@ def find_finished(client: MlflowClient, experiment_id: str, key: str) -> Run | N
     return runs[0] if runs else None
 
 
+def recorded_process(run: Run) -> tuple[str, str, float]:
+    """The host and pid a run recorded (tag HOST, `host:pid`) and its last heartbeat (its start, without one)."""
+    host, _, pid = run.data.tags.get(HOST, ":").rpartition(":")
+    return host, pid, float(run.data.tags.get(HEARTBEAT, run.info.start_time / 1000))
+
+
 def live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s: float,
               now: float | None = None) -> list[Run]:
     """The RUNNING runs of the same protocol whose process still runs on this host (another process than this
@@ -255,8 +261,7 @@ def live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s:
     live = []
     for run in client.search_runs([experiment_id], f"tags.protocol_key = '{key}' and attributes.status = 'RUNNING'"):
         tags = run.data.tags
-        host, _, pid = tags.get(HOST, ":").rpartition(":")
-        beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
+        host, pid, beat = recorded_process(run)
         if (host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and now - beat <= stale_after_s
                 and liveness.process_alive(int(pid), tags.get(PROCESS_START))):
             live.append(run)
@@ -302,8 +307,7 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
     marked = []
     for run in search_all(client, [experiment_id], "attributes.status = 'RUNNING'"):
         tags = run.data.tags
-        host, _, pid = tags.get(HOST, ":").rpartition(":")
-        beat = float(tags.get(HEARTBEAT, run.info.start_time / 1000))
+        host, pid, beat = recorded_process(run)
         ended = liveness.slurm_job_end(tags[SLURM_JOB]) if SLURM_JOB in tags else None
         if ended:
             reason = f"SLURM job {tags[SLURM_JOB]} ended {ended}"
