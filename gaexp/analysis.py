@@ -32,7 +32,7 @@ from scipy import stats  # noqa: E402
 from gaexp import cli, metrics  # noqa: E402
 from gaexp.norms import ORDER as DECLARED_ORDER  # noqa: E402
 from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
-from gaexp.tracking import PLAN_ROLE, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
+from gaexp.tracking import PLAN_ROLE, SINGLE_RUN, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
 
 
 def column(key: str) -> str:
@@ -46,6 +46,7 @@ TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed
         "step", "valid_acc", "train_loss"]
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
 DATASET, MODEL = "dataset", "model"  # the protocol columns of data.dataset and model.name
+ENGINE = column("accumulate")  # may differ between cells (accumulate=auto's fallback), never within one
 PARTS = {DATASET: "data.dataset", MODEL: "model.name"}  # a report never pools two values of these: one per value
 RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)
 
@@ -111,9 +112,10 @@ def is_grid_run(run: Run) -> bool:
 
 
 def latest_sweep(client: MlflowClient, experiment_ids: list[str]) -> str | None:
-    """The sweep of the newest grid run, or a sweep started after that run that only resumed over runs
-    (it ran none: its plan run is newer); None: no grid run."""
-    newest = newest_run(client, experiment_ids, "", is_grid_run)  # unfiltered: a tag filter joins every run's tag
+    """The sweep of the newest grid run of a multirun (a single run's only where no multirun ran), or a sweep
+    started after that run that only resumed over runs (it ran none: its plan run is newer); None: no grid run."""
+    newest = (newest_run(client, experiment_ids, "", lambda r: is_grid_run(r) and SINGLE_RUN not in r.data.tags)
+              or newest_run(client, experiment_ids, "", is_grid_run))  # unfiltered: a tag filter joins every tag
     if newest is None:
         return None
     sweep = newest.data.tags.get("sweep_id", "")
@@ -260,11 +262,19 @@ def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
     for key in per_cell:
         if key not in PROTOCOL:
             raise AnalysisError(f"analysis.per_cell: {key!r}; valid: {', '.join(PROTOCOL)}")
+    for key in [*per_cell, ENGINE]:
         varying = data.groupby(["norm", "regime"])[key].nunique()
         if (varying > 1).any():
             cell = varying[varying > 1].index[0]
+            if key == ENGINE:
+                found = data[(data.norm == cell[0]) & (data.regime == cell[1])].groupby(ENGINE).seed.unique()
+                raise AnalysisError(
+                    f"the cell {'/'.join(cell)} has runs of both engines ("
+                    + "; ".join(f"{e}: seed {', '.join(map(str, sorted(s)))}" for e, s in found.items())
+                    + "): they agree within seed noise but not bit for bit, and never pool; choose one sweep with "
+                      "--sweep, or run its seeds again under one engine (accumulate=loop rerun=true)")
             raise AnalysisError(f"{key} differs within the cell {'/'.join(cell)}; choose one sweep with --sweep")
-    protocols = data[[k for k in PROTOCOL if k not in per_cell]].drop_duplicates()
+    protocols = data[[k for k in PROTOCOL if k not in [*per_cell, ENGINE]]].drop_duplicates()
     if len(protocols) > 1:
         found = "; ".join(", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
                           for _, row in protocols.iterrows())
@@ -346,6 +356,7 @@ class Summary:
     dataset: str = ""  # the one dataset of the runs
     model: str = ""  # and their one model
     window_note: str = ""  # why the table averages other evaluations than design.window_start says, if it does
+    engines: str = ""  # which cells ran which engine, where they differ (accumulate=auto fell back for some)
 
     @property
     def label(self) -> str:
@@ -424,7 +435,21 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
     return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
-                   data[MODEL].iloc[0], window_note)
+                   data[MODEL].iloc[0], window_note, engines_note(data, norms, regimes))
+
+
+def engines_note(data: pd.DataFrame, norms: Sequence[str], regimes: Sequence[str]) -> str:
+    """Which cells ran which engine where a report's cells differ in it ("" where they all ran one): a
+    comparison across engines compares within seed noise, not bit for bit (docs/study.md)."""
+    by_cell = data.groupby(["norm", "regime"])[ENGINE].first()
+    if by_cell.nunique() < 2:
+        return ""
+    parts = []
+    for engine, cells in sorted(by_cell.groupby(by_cell), key=lambda g: -len(g[1])):
+        listed = [f"{n}/{r}" for n in norms for r in regimes if (n, r) in cells.index]
+        parts.append(f"{engine}: " + (f"{len(listed)} cells" if len(listed) > 8 else ", ".join(listed)))
+    return ("Engines differ between cells: " + "; ".join(parts) + ". Their steps are the same up to rounding: a "
+            "comparison across engines holds within seed noise, not bit for bit (docs/study.md).")
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -531,6 +556,8 @@ def format_table(summary: Summary) -> str:
         lines += ["", format_ranking(summary.ranking, summary.design)]
     if summary.missing:
         lines += ["", "Missing cells: " + "; ".join(summary.missing)]
+    if summary.engines:
+        lines += ["", summary.engines]
     return "\n".join(lines) + "\n"
 
 

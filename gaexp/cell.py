@@ -21,7 +21,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, liveness, metrics, norms, redact, tracking, trial
+from gaexp import datasets, engine, liveness, metrics, norms, redact, tracking, trial
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
 from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
@@ -72,12 +72,14 @@ def size_text(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device) -> None:
+def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device,
+                 accumulate: str | None = None) -> None:
     """A step's memory, estimated, within what this machine has (`available_bytes`): the activations of the
     samples held at once (one micro-batch; accumulate=batched: a step's b*k) at `sample_bytes` each, the data,
     the model with its gradients and Adam's two moments, and the record of each step's loss. Refused in one line
     naming the largest part and how far to lower it. Not checked where cells run on other hosts (their memory
-    is not this one's) or where neither the model's measure nor the machine's memory is known."""
+    is not this one's) or where neither the model's measure nor the machine's memory is known. `accumulate`:
+    the engine to check (default: the config's)."""
     if c.cells_elsewhere:
         return
     found = available_bytes(device)
@@ -89,7 +91,7 @@ def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int],
     except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
         return
     b, k = c.regime.batch_size, c.regime.num_accum
-    batched = c.accumulate == "batched"
+    batched = (accumulate or c.accumulate) == engine.BATCHED
     held, steps = (b * k if batched else b), c.train.num_iterations
     data = data_bytes(c.data, shape)
     weights = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients, Adam's moments
@@ -114,11 +116,17 @@ def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int],
 
 
 def check(cfg: DictConfig) -> Config:
+    """`checked`'s config: the engine resolved."""
+    return checked(cfg)[0]
+
+
+def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
     ranges (gaexp/config.py), the model against the data's shape and classes and the norm's options against
     the model (e.g. norm.groups against its channels), a compile that cannot run, a model accumulate=batched
     cannot chunk, for a search an objective without a value, a batch larger than the training split (where the
-    config declares it) and a run larger than this machine's memory."""
+    config declares it) and a run larger than this machine's memory. Returns the config with `accumulate` the
+    engine the run uses (accumulate=auto resolved, gaexp/engine.py) and that choice."""
     c = typed(cfg)
     shape, num_classes = datasets.describe(c.data)
     model = check_model(c, shape, num_classes)
@@ -126,15 +134,28 @@ def check(cfg: DictConfig) -> Config:
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
     compile_phases(c.compile, c.norm.name, device)
-    if c.accumulate == "batched":  # a layer it cannot chunk exactly is refused here, not run approximately
+    if c.accumulate == engine.BATCHED:  # a layer it cannot chunk exactly is refused here, not run approximately
         coupled_layers(model)
     if c.optuna.study is not None:  # a trial: what it will return must exist
         trial.check_objective(c.train.num_iterations, c.analysis)
     size = training_size(c.data)
+    choice = engine.choose(c.accumulate, model, c.regime.batch_size, c.regime.num_accum, size,
+                           lambda e: memory_problem(c, model, shape, device, e))
+    c = dataclasses.replace(c, accumulate=choice.engine)
     if size is not None:
         check_split(c, size)
     check_memory(c, model, shape, device)
-    return c
+    return c, choice
+
+
+def memory_problem(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device,
+                   accumulate: str) -> str | None:
+    """`check_memory`'s one line for this engine, or None when a step fits."""
+    try:
+        check_memory(c, model, shape, device, accumulate)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def threads_for(setting: int | str, cells: int | None, cores: int | None = None) -> int:
@@ -160,11 +181,15 @@ def deterministic_cuda() -> None:
 
 # --- one cell, in named steps -----------------------------------------------------------------------
 
-def skip_if_finished(client: MlflowClient, experiment_id: str, key: str, c: Config, sweep_id: str) -> Run | None:
-    """The FINISHED run of the same protocol, now also counted in this sweep; None: the cell must run."""
-    if not c.rerun:  # the same cell still training in another process here (a killed sweep's worker): its end
+def skip_if_finished(client: MlflowClient, experiment_id: str, keys: list[str], c: Config,
+                     sweep_id: str) -> Run | None:
+    """The FINISHED run of one of these protocols (`engine.keys`: the engine's, then under auto the other's),
+    now also counted in this sweep; None: the cell must run."""
+    if c.rerun:
+        return None
+    for key in keys:  # the same cell still training in another process here (a killed sweep's worker): its end
         tracking.wait_for_live_runs(client, experiment_id, key, c.mlflow.stale_after_s)
-    done = None if c.rerun else tracking.find_finished(client, experiment_id, key)
+    done = next((run for key in keys if (run := tracking.find_finished(client, experiment_id, key)) is not None), None)
     if done is not None:
         tracking.add_to_sweep(client, done, sweep_id)  # so this sweep's report includes it
         log.info("%s: skipped, already FINISHED as run %s (rerun=true to run it again)", c.run_name, done.info.run_id)
@@ -195,10 +220,12 @@ def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, en
     return memory
 
 
-def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module, train_data: Split,
+def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, model: torch.nn.Module,
+                    train_data: Split,
                     valid_data: Split, meta: datasets.Meta, device: torch.device, memory: dict[str, float],
                     client: MlflowClient,
-                    experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None) -> float:
+                    experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None,
+                    in_sweep: bool = True) -> float:
     """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
     value `returned_value` gives. `bar`: a tqdm bar
     over the steps; None: on a terminal; False: a log line per evaluation). A trial
@@ -207,6 +234,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
     compiled = compile_phases(c.compile, c.norm.name, device)
     tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
             "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "accumulate": c.accumulate,
+            "accumulate_setting": choice.setting, **({} if in_sweep else {tracking.SINGLE_RUN: "true"}), **({"accumulate_fallback": choice.reason} if choice.fell_back else {}),
             "sweep_id": sweep_id,
             tracking.SWEEPS: sweep_id, "protocol_key": key,
             "device": device.type, "threads": torch.get_num_threads(),
@@ -240,7 +268,7 @@ def train_and_track(c: Config, resolved: dict, key: str, model: torch.nn.Module,
                 raise
             if watch is not None and watch.gone:  # trained to its end for nobody: a rerun may be training it
                 raise SweepGone(c.train.num_iterations, watch.reason)
-            batched = c.accumulate == "batched"  # a batched run's peaks are not the loop's
+            batched = c.accumulate == engine.BATCHED  # a batched run's peaks are not the loop's
             rss, cuda = ((metrics.BATCHED_PEAK_RSS_MB, metrics.BATCHED_CUDA_MAX_MEM_MB) if batched else
                          (metrics.PEAK_RSS_MB, metrics.CUDA_MAX_MEM_MB))
             memory = {**memory, rss.name: peak_rss_bytes() / 2**20}
@@ -269,7 +297,7 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     """Train one cell of the grid and track it; returns `returned_value`. The store and data
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
-    c = check(cfg)  # again where the cell runs: a cluster node may see another device than the launching host
+    c, choice = checked(cfg)  # again where the cell runs: a cluster node may see another device than the launcher
     device = resolve_device(c.device)
     if device.type == "cuda" and c.deterministic:
         deterministic_cuda()
@@ -281,15 +309,20 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     dataset = datasets.open_dataset(c.data, progress=False if in_sweep else c.progress)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["data"]["digest"] = dataset.meta.digest  # what it is, not only where: a changed folder is another protocol
-    key = tracking.protocol_key(resolved)
-    done = skip_if_finished(client, experiment_id, key, c, sweep_id)
+    done = skip_if_finished(client, experiment_id, engine.keys(resolved, choice, tracking.protocol_key), c, sweep_id)
     if done is not None:
         if c.optuna.study is None:  # a grid cell: its final accuracy, logged; no history to read
             return done.data.metrics[metrics.FINAL_VALID_ACC.name]
         history = client.get_metric_history(done.info.run_id, metrics.VALID_ACC.name)
         return returned_value(c, sorted((m.step, m.value) for m in history))
     model, train_data, valid_data = build(c, dataset, device)
+    choice = engine.within_split(choice, c.regime.batch_size, c.regime.num_accum, len(train_data))
+    if (line := engine.notice(choice, c.run_name)) is not None:
+        log.warning("%s", line)
+    c = dataclasses.replace(c, accumulate=choice.engine)
+    resolved["accumulate"] = choice.engine  # the engine used: logged, and in the protocol key
+    key = tracking.protocol_key(resolved)
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
-    return train_and_track(c, resolved, key, model, train_data, valid_data, dataset.meta, device, memory, client,
-                           experiment_id, sweep_id, hydra_dir, bar)
+    return train_and_track(c, resolved, key, choice, model, train_data, valid_data, dataset.meta, device, memory,
+                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep)

@@ -430,6 +430,7 @@ MAX_THREADS = 1024  # torch threads per run at most: beyond any machine's cores,
 THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or an integer >= 0")
 COMPILE_CHOICES = ("auto", "off", "eval", "all")
 ENGINES = ("loop", "batched")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
+AUTO_ENGINE = "auto"  # accumulate=auto: batched where it computes the loop's step and fits, else loop (gaexp/engine.py)
 CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib's negative counts (-1: one per core)")
 
 
@@ -456,11 +457,13 @@ class Config(Checked):
     compile: str = key("auto", "torch.compile: off, eval (evaluation only), all (training too), auto (what pays for "
                               "the norm: all for in and in_affine, eval for the rest)", runtime=True,
                        valid=one_of(*COMPILE_CHOICES))
-    accumulate: str = key("loop", "how a step's k micro-batches are computed: loop (one forward and backward per "
-                                  "micro-batch: the memory of b samples, the study's reference) or batched (one "
-                                  "pass over the b*k samples, BatchNorm-like layers chunked by b in order: the "
-                                  "same arithmetic up to rounding, faster, the memory of b*k)",
-                          valid=one_of(*ENGINES), was="loop")  # what every run recorded before this key ran
+    accumulate: str = key(AUTO_ENGINE, "how a step's k micro-batches are computed: loop (one forward and backward "
+                                       "per micro-batch: the memory of b samples, the study's reference), batched (one "
+                                       "pass over the b*k samples, BatchNorm-like layers chunked by b in order: the same "
+                                       "arithmetic up to rounding, faster, the memory of b*k) or auto (batched where "
+                                       "every coupling layer chunks exactly and the b*k samples fit, loop otherwise; a "
+                                       "run records the engine it used, and a cell FINISHED by either is not rerun)",
+                          valid=one_of(*ENGINES, AUTO_ENGINE), was="loop")  # what every run recorded before this key ran
     rerun: bool = key(False, "run a cell again even if it already FINISHED with the same protocol", runtime=True)
     progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
                                    runtime=True)

@@ -42,8 +42,10 @@ from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 # evaluation EVAL_IMAGE_S per image; a cell's run costs CELL_S more (its records, its model saved) and
 # GAP_S passes between one cell's end and the next one's start on the same worker (its config, data and
 # model made). An evaluation graph compiled with no cache costs GRAPH_S, a training graph (forward and
-# backward) TRAIN_GRAPH graphs' worth. The cells that finished rescale these.
-MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S = 2.6e-3, 0.7, 1.8e-3, 2.5e-4
+# backward) TRAIN_GRAPH graphs' worth. The cells that finished rescale these. accumulate=batched trains a step's
+# b*k samples in one pass (MICRO_S * (b*k)**BATCH_EXPONENT) and draws its k micro-batches at DRAW_S each (the
+# batched grid: 1375 samples/s at bs1a16 against 1583 at bs16a1, docs/results.md).
+MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S, DRAW_S = 2.6e-3, 0.7, 1.8e-3, 2.5e-4, 1.0e-4
 CELL_S, GAP_S, GRAPH_S, TRAIN_GRAPH = 1.0, 1.0, 9.0, 1.5
 VALID_IMAGES = 10_000  # the test set; data.holdout=N evaluates N held-out images instead
 log = logging.getLogger(__name__)
@@ -54,11 +56,15 @@ DONE = ("FINISHED", "FAILED", "KILLED")
 
 
 def expected_seconds(batch_size: int, num_accum: int, num_iterations: int, eval_period: int,
-                     valid_images: int = VALID_IMAGES, model_cost: float = 1.0) -> float:
+                     valid_images: int = VALID_IMAGES, model_cost: float = 1.0, accumulate: str = "loop") -> float:
     """A cell's expected seconds on one core of the reference machine, compilation of new graphs left out;
-    `model_cost` (model.cost) scales the simple CNN's times to another model's."""
+    `model_cost` (model.cost) scales the simple CNN's times to another model's; `accumulate`: the engine, loop
+    (k passes of b samples a step) or batched (one pass of b*k)."""
     evaluations = num_iterations // eval_period + (num_iterations % eval_period > 0)
-    step = num_accum * MICRO_S * batch_size ** BATCH_EXPONENT + STEP_S
+    if accumulate == "batched":
+        step = MICRO_S * (batch_size * num_accum) ** BATCH_EXPONENT + num_accum * DRAW_S + STEP_S
+    else:
+        step = num_accum * MICRO_S * batch_size ** BATCH_EXPONENT + STEP_S
     return CELL_S + model_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
 
 
@@ -81,7 +87,7 @@ def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     """`expected_seconds` of a cell's run, from its tags and logged config."""
     return expected_seconds(int(tags["batch_size"]), int(tags["num_accum"]), int(params["train.num_iterations"]),
                             int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
-                            float(params.get("model.cost", 1.0)))
+                            float(params.get("model.cost", 1.0)), tags.get("accumulate", "loop"))
 
 
 def run_graphs(tags: Mapping[str, str]) -> frozenset[tuple[str, ...]]:

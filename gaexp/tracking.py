@@ -49,6 +49,7 @@ SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK,
 PAGE_SIZE = 1_000  # runs per search page (search_all follows the pages to the end)
 CURVES = "gaexp.curves"  # tag: how many parts `gaexp.curves.<i>` hold the run's evaluations as JSON (curves_tags)
 PLAN_ROLE = "sweep"  # tag gaexp.role of the run that records a sweep's plan (gaexp.progress)
+SINGLE_RUN = "gaexp.single_run"  # "true": a run of `gaexp` without -m (the report's latest sweep passes it by)
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
 # MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI overview (traces)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")

@@ -36,8 +36,10 @@ if os.environ.get("GAEXP_TEST_CPUS") or os.environ.get("GAEXP_TEST_CPU_QUOTA"):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_MACHINE), os.environ.get("PYTHONPATH")]))
     runpy.run_path(str(FAKE_MACHINE / "sitecustomize.py"))  # this process too
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
-# The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report.
-TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off", "analysis.window_start=0"]
+# The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report, the
+# loop's micro-batch arithmetic (the reference; accumulate=auto's own tests, tests/test_engine.py, name it).
+TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off", "analysis.window_start=0",
+        "accumulate=loop"]
 
 
 class Float64(torch.nn.Module):

@@ -73,18 +73,24 @@ def test_a_cells_cost_follows_its_own_overrides(compose):
     assert sweeper.cost(["regime=bs4a4", "train.eval_period=150"]) > base  # twice the evaluations
     assert sweeper.cost(["regime=bs4a4", "data.holdout=2000"]) < base      # 2,000 images evaluated, not 10,000
     assert sweeper.cost(["regime=bs1a16"]) > base > sweeper.cost(["regime=bs1a1"])
+    assert sweeper.cost(["regime=bs1a16"]) < 1.2 * base  # batched: 16 samples in one pass, 16 or 4 draws
+    loop = sweeper.cost(["regime=bs4a4", "accumulate=loop"])
+    assert sweeper.cost(["regime=bs1a16", "accumulate=loop"]) > 1.3 * loop > 1.3 * base  # the loop: 16 or 4 passes
 
 
 def test_a_cells_graphs_are_what_its_compile_choice_compiles_for_its_norm(compose):
     """The plan counts each graph once (gaexp/progress.py): compile=auto compiles evaluation for every norm,
     training too for instance norm, one graph per batch size."""
-    from hydra_plugins.gaexp_grid_sweeper.sweeper import cost_of
+    from hydra_plugins.gaexp_grid_sweeper.sweeper import check_cell, cost_of
 
     sweeper = sweeper_on(compose, "+experiment=spec")
     def graphs(*overrides):
-        return cost_of(sweeper.cell_config(list(overrides)))[1]
+        cfg = sweeper.cell_config(list(overrides))
+        return cost_of(cfg, check_cell(cfg, overrides))[1]
     assert graphs("norm=in", "regime=bs4a4") == {("eval", "simple", "mnist", "in"),
-                                                 ("train", "simple", "mnist", "in", "4", "loop")}
+                                                 ("train", "simple", "mnist", "in", "4", "batched")}
+    assert graphs("norm=in", "regime=bs4a4", "accumulate=loop") == {("eval", "simple", "mnist", "in"),
+                                                                    ("train", "simple", "mnist", "in", "4", "loop")}
     assert graphs("norm=bn", "regime=bs4a4") == {("eval", "simple", "mnist", "bn")}
     assert graphs("norm=in", "regime=bs4a4", "compile=off") == frozenset()
 

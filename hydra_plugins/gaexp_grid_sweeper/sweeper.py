@@ -38,26 +38,28 @@ def uncompleted(error: Exception) -> str:
             "(docs/cluster.md).")
 
 
-def cost_of(cfg: DictConfig) -> Tuple[float, FrozenSet[Tuple[str, ...]]]:
-    """A cell's expected work and the graphs it compiles (gaexp/progress.py), from its own composed config."""
+def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[str, ...]]]:
+    """A cell's expected work and the graphs it compiles (gaexp/progress.py), from its own composed config and
+    the engine its checks chose (`accumulate`: loop or batched, accumulate=auto resolved)."""
     from gaexp import progress  # gaexp (torch, MLflow) loads when a sweep runs, not at Hydra's plugin scan
     from gaexp.train import planned_phases
 
     graphs = progress.graph_keys(planned_phases(cfg.compile, cfg.norm.name), cfg.model.name, cfg.data.dataset,
-                                 cfg.norm.name, cfg.regime.batch_size, cfg.accumulate)
+                                 cfg.norm.name, cfg.regime.batch_size, accumulate)
     return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
                                      cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES,
-                                     cfg.model.cost), graphs
+                                     cfg.model.cost, accumulate), graphs
 
 
-def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> None:
+def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> str:
     """Every check the cell's job would make before training (gaexp.cell.check), here, before anything of the
-    sweep is recorded; a bad value in a swept axis ends the command with one line naming the cell."""
+    sweep is recorded; a bad value in a swept axis ends the command with one line naming the cell. Returns the
+    engine the cell will train with (accumulate=auto resolved)."""
     from gaexp.cell import check  # the cell's own checks; gaexp loads when a sweep runs
     from gaexp.config import job_config
 
     try:
-        check(job_config(cfg))
+        return check(job_config(cfg)).accumulate
     except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
         raise SystemExit(f"error: cell {' '.join(overrides)}: {e}") from None
 
@@ -85,7 +87,8 @@ class GridSweeper(BasicSweeper):
                                                                   sweep_overrides=list(overrides))
 
     def cost(self, overrides: Sequence[str]) -> float:
-        return cost_of(self.cell_config(overrides))[0]
+        cfg = self.cell_config(overrides)
+        return cost_of(cfg, check_cell(cfg, overrides))[0]
 
     def sweep(self, arguments: List[str]) -> Any:
         from gaexp import progress
@@ -96,8 +99,8 @@ class GridSweeper(BasicSweeper):
         costs, compiles = [], []
         for cell in cells:  # composed and checked as its job will be: bad input stops the sweep before the plan run
             cfg = self.cell_config(cell)
-            check_cell(cfg, [cell[i] for i in varying])
-            cost, compiled = cost_of(cfg)
+            engine = check_cell(cfg, [cell[i] for i in varying])
+            cost, compiled = cost_of(cfg, engine)
             costs.append(cost)
             compiles.append(compiled)
         if self.order == "longest_first":

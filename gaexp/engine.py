@@ -1,0 +1,81 @@
+"""Which engine computes a run's optimizer steps: `accumulate=auto` resolved, once per run, to the one it uses.
+
+auto takes the batched engine (gaexp/batched.py: the step's b*k samples in one pass) where it computes the
+loop's step: every layer that couples the samples of a batch is one it chunks exactly, the b*k samples are
+within the training split, and a step's memory with b*k samples held at once fits this machine. Otherwise the
+loop (gaexp/train.py `accumulate`), with one line saying why. `loop` and `batched` are taken as given (batched
+still refuses what it cannot compute exactly).
+
+A run records the engine it used (its `accumulate` param and tag), and that engine is part of its protocol key:
+the two engines agree within seed noise but not bit for bit, so their runs never pool silently. Under auto a
+cell FINISHED by either engine counts as done (`keys`): a loop store from before auto resumes with no rerun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from gaexp.batched import UnchunkableError, coupled_layers
+from gaexp.config import AUTO_ENGINE, ENGINES
+
+LOOP, BATCHED = ENGINES
+
+
+@dataclass(frozen=True)
+class Choice:
+    engine: str  # loop or batched: what computes the run's steps
+    setting: str  # what the config asked: loop, batched or auto
+    reason: str = ""  # auto's fallback to the loop: why (one line)
+
+    @property
+    def fell_back(self) -> bool:
+        return self.setting == AUTO_ENGINE and self.engine == LOOP
+
+
+def choose(setting: str, model: nn.Module, batch_size: int, num_accum: int, split: int | None,
+           memory_problem: Callable[[str], str | None]) -> Choice:
+    """The engine for `setting` (loop, batched, auto); `split`: the training images the batches are drawn from
+    (None: not known yet, `within_split` checks it once read); `memory_problem(engine)`: None when a step of
+    that engine fits this machine, else the one-line reason. For loop and batched, their own checks refuse
+    what they cannot run (gaexp/cell.py)."""
+    if setting != AUTO_ENGINE:
+        return Choice(setting, setting)
+    try:
+        coupled_layers(model)
+    except UnchunkableError as e:
+        return Choice(LOOP, setting, str(e).removeprefix("accumulate=batched: ").removesuffix("; run accumulate=loop"))
+    n = batch_size * num_accum
+    if split is not None and n > split:
+        return Choice(LOOP, setting, f"a step's {batch_size} x {num_accum} samples are more than the {split:,} "
+                                     "training images")
+    problem = memory_problem(BATCHED)
+    if problem is not None:
+        return Choice(LOOP, setting, f"a step's {n:,} samples at once do not fit: {problem}")
+    return Choice(BATCHED, setting)
+
+
+def within_split(choice: Choice, batch_size: int, num_accum: int, split: int) -> Choice:
+    """`choice` once the training split's size is known: auto's batched engine falls back to the loop where
+    the b*k samples of a step are more than the split holds."""
+    if choice.setting == AUTO_ENGINE and choice.engine == BATCHED and batch_size * num_accum > split:
+        return Choice(LOOP, choice.setting, f"a step's {batch_size} x {num_accum} samples are more than the "
+                                            f"{split:,} training images")
+    return choice
+
+
+def notice(choice: Choice, run_name: str) -> str | None:
+    """The one line a run prints when auto fell back to the loop."""
+    if not choice.fell_back:
+        return None
+    return f"{run_name}: accumulate=auto trains with the loop: {choice.reason}"
+
+
+def keys(resolved: Mapping[str, Any], choice: Choice, protocol_key: Callable[[Mapping[str, Any]], str]) -> list[str]:
+    """The protocol keys of the runs that count as this cell done: the chosen engine's first; under auto, the
+    other engine's too (a cell FINISHED by either is not run again)."""
+    engines = [choice.engine, *(e for e in ENGINES if e != choice.engine)] if choice.setting == AUTO_ENGINE \
+        else [choice.engine]
+    return [protocol_key({**resolved, "accumulate": engine}) for engine in engines]
