@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
 import shlex
 import subprocess
@@ -224,6 +225,52 @@ def test_a_documented_command_works_as_written(command, monkeypatch, tmp_path):
             check_hydra(parsed.overrides)
 
 
+def parser_options(main, monkeypatch) -> list[str]:
+    """The long options a console script's parser takes (--help aside), in its order: its `main` builds the
+    parser and is stopped at parse_args."""
+    def stop(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(_Parsed) as stopped:
+        main([])
+    parser = stopped.value.args[0]
+    return [next(s for s in action.option_strings if s.startswith("--")) for action in parser._actions
+            if any(s.startswith("--") for s in action.option_strings) and "--help" not in action.option_strings]
+
+
+def option_tables() -> list[tuple[str, str, list[str]]]:
+    """(document, command, options listed) for each `| option | ...` table that follows a `bash` block of one
+    console script's commands (PARSERS): the table of what that command takes."""
+    found = []
+    for doc in DOCUMENTS:
+        text = doc.read_text()
+        for table in re.finditer(r"^\| option \|.*\n\|[-| ]+\|\n((?:\|.*\n)+)", text, re.M):
+            blocks = list(re.finditer(r"^```(?:bash|sh)\n(.*?)^```", text[:table.start()], re.S | re.M))
+            commands = [_command("", line.strip()) for line in blocks[-1].group(1).split("\n")] if blocks else []
+            heads = {c.argv[0] for c in commands if c is not None}
+            if len(heads) == 1 and (head := heads.pop()) in PARSERS:
+                found.append((str(doc.relative_to(REPO)), head, re.findall(r"^\| `(--[\w-]+)`", table.group(1), re.M)))
+    return found
+
+
+OPTION_TABLES = option_tables()
+
+
+def test_the_report_has_an_options_table():
+    assert ("docs/tracking.md", "gaexp-report") in {(doc, head) for doc, head, _ in OPTION_TABLES}
+
+
+@pytest.mark.parametrize("doc, head, listed", OPTION_TABLES, ids=[f"{doc}:{head}" for doc, head, _ in OPTION_TABLES])
+def test_an_options_table_lists_every_option_of_its_command(doc, head, listed, monkeypatch):
+    """A command's options table has one row per option its parser takes, in the parser's order (`--help` aside)."""
+    options = parser_options(PARSERS[head], monkeypatch)
+    missing, unknown = [o for o in options if o not in listed], [o for o in listed if o not in options]
+    assert not missing, f"{doc}: the {head} table lacks {missing}"
+    assert not unknown, f"{doc}: the {head} table lists {unknown}, which {head} does not take"
+    assert listed == options, f"{doc}: the {head} table's rows in the parser's order: {options}"
+
+
 CONTENTS_ITEM = re.compile(r"^( *)(?:- |(\d+\.) )\[(.+)\]\(#(.+)\)$", re.M)  # - [Title](#anchor), 1. [Title](#anchor)
 
 
@@ -267,6 +314,70 @@ def documented(document: str, start: str) -> Command:
     found = [c for c in COMMANDS if c.where.split(":")[0] == document and " ".join(c.argv).startswith(start)]
     assert found, f"{document} no longer shows a command starting {start!r}: give the walk another"
     return found[0]
+
+
+def shell(command: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{command}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def line_of(command: Command) -> int:
+    return int(command.where.split(":")[1])
+
+
+@pytest.mark.slow
+def test_a_newcomers_walk_begins_with_the_readmes_setup(tmp_path, data_root):
+    """The README's quick start before the study, in its order, as written: `make help` (what `make` alone
+    prints: it installs nothing) lists every target; `make setup` as a dry run into a fresh folder (the install
+    it would run, announced with its size and time; nothing installed); `make data`'s command, run; the
+    activation line, which alone puts the console scripts on PATH; then the first short run, with the
+    activated venv's `gaexp`, cut to the 4-step budget, in an empty folder whose outputs/data holds MNIST."""
+    readme = (REPO / "README.md").read_text()
+    help_, setup, data = (documented("README.md", start) for start in ("make help", "make setup", "make data"))
+    activate = re.search(r"^source (\S+)/bin/activate +#", readme, re.M)
+    assert activate, "README.md no longer says to activate the venv: `gaexp` is then not on PATH"
+    venv = REPO / activate.group(1)
+    first_run = documented("README.md", "gaexp ")
+    assert (line_of(setup) < line_of(data) < readme.count("\n", 0, activate.start()) + 1 < line_of(first_run)
+            < line_of(documented("README.md", "make sweep"))), "the quick start's order: setup, data, activate, a run, the sweep"
+
+    listed = shell(shlex.join(help_.argv), REPO)
+    for target in make_targets()[0]:
+        assert re.search(rf"^  {re.escape(target)} +\S", listed, re.M), f"make help does not list {target} (a `##` comment)"
+    default = re.search(r"^\.DEFAULT_GOAL := (\S+)$", shell("make -p -n help", REPO), re.M)  # read, nothing run
+    assert default and default.group(1) == "help", "`make` alone must list the targets, not start a 6 GB install"
+    assert shell("make", REPO) == listed
+
+    fresh = tmp_path / "fresh-venv"
+    dry = shell(shlex.join([setup.argv[0], "-n", *setup.argv[1:], f"VENV={fresh}"]), REPO)
+    assert not fresh.exists()
+    assert re.search(r'^echo ".*\d GB .*minutes', dry, re.M), f"the install does not say its size and time:\n{dry}"
+    for step in (f"-m venv {fresh}", f"{fresh}/bin/python -m pip install", " torch==", " -e ."):
+        assert step in dry, f"make setup would not run {step!r}:\n{dry}"
+
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "outputs" / "data").symlink_to(data_root)
+    dry = shell(shlex.join([data.argv[0], "-n", *data.argv[1:], f"VENV={venv}"]), REPO)
+    fetch = [line for line in dry.splitlines() if " -m gaexp.data " in line]
+    assert len(fetch) == 1, dry
+    assert shell(fetch[0], tmp_path).startswith("mnist: 60,000 training + 10,000 test images")
+
+    bin_ = venv / "bin"
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                           if Path(p) not in (bin_, Path(sys.executable).parent))
+    bare = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | {"PATH": path}
+    unactivated = subprocess.run(["bash", "-c", "gaexp --help"], cwd=tmp_path, env=bare, capture_output=True, text=True)
+    assert "not found" in unactivated.stderr  # what a newcomer met before the README said to activate
+    activated = f"source {shlex.quote(str(bin_))}/activate"
+    scripts = ("gaexp", "gaexp-report", "gaexp-check", "gaexp-status")
+    found = shell(f"{activated} && command -v {' '.join(scripts)}", tmp_path, bare)
+    assert found.split() == [str(bin_ / name) for name in scripts]
+
+    budget = {word.split("=")[0] for word in BUDGET}
+    words = [w for w in first_run.argv if w.split("=")[0] not in budget] + BUDGET
+    printed = shell(f"{activated} && {shlex.join(words)}", tmp_path, bare)
+    assert re.search(r"final valid_acc 0\.\d{4} \(run \w+\)", printed), printed
 
 
 @pytest.mark.slow
