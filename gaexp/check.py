@@ -35,7 +35,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ BN_REMEDIES = (  # (norm= choice, accuracy %, points against the true batch, ver
     ("gn16", 97.31, "-0.33 [-1.21, +0.56]", "inconclusive (7 seeds)"),
     ("bn_precise", 90.65, "-6.99 [-10.83, -3.16]", "worse"),
 )
+STUDY_GROUPS = 16  # the GroupNorm remedy's group count as measured (gn16); fewer where 16 does not divide C
 
 
 class CheckError(ValueError):
@@ -801,6 +802,40 @@ def _causes(modules: list[Coupling], buffers: list[BufferDiff], loss_coupling: s
     return causes
 
 
+def groups_for(channels: Sequence[int]) -> int:
+    """The group count a GroupNorm remedy suggests for layers of these channel counts: the study's (16, norm=gn16)
+    where it divides every one of them, else the largest of 8, 4, 2 that does (1 if none: LayerNorm's)."""
+    return next(g for g in (STUDY_GROUPS, 8, 4, 2, 1) if all(c % g == 0 for c in channels))
+
+
+def _norm_choice(choice: str, channels: Sequence[int]) -> str:
+    """A BatchNorm remedy as gaexp's norm= choice: for GroupNorm, a group count that divides every BatchNorm's
+    channels (gaexp refuses norm.groups that does not)."""
+    if choice == f"gn{STUDY_GROUPS}" and groups_for(channels) != STUDY_GROUPS:
+        g = groups_for(channels)
+        odd = [c for c in channels if c % STUDY_GROUPS]
+        return (f"norm=gn norm.groups={g}: GroupNorm with {g} groups instead (the study measured {STUDY_GROUPS}, "
+                f"which does not divide the model's {_listed([str(c) for c in odd], 5)} channels)")
+    return f"norm={choice}: {NORMS[choice].remedy}"
+
+
+def _in_your_model(choice: str, channels: Sequence[int]) -> str:
+    """A BatchNorm remedy said as a change to one's own model: for GroupNorm, which group count for which channel
+    counts where the study's 16 does not divide them."""
+    text = NORMS[choice].in_your_model
+    if choice != f"gn{STUDY_GROUPS}":
+        return text
+    by_groups: dict[int, list[str]] = {}
+    for c in channels:
+        if c % STUDY_GROUPS:
+            by_groups.setdefault(groups_for([c]), []).append(str(c))
+    if not by_groups:
+        return text
+    return text + " (" + "; ".join(f"nn.GroupNorm({g}, C) for C = {_listed(cs, 8)}"
+                                   for g, cs in sorted(by_groups.items(), reverse=True)) + \
+        f": {STUDY_GROUPS} groups must divide C)"
+
+
 def _remedies(modules: list[Coupling], buffers: list[BufferDiff], owners: dict[str, nn.Module],
               loss_coupling: str, step: bool, norm_choices: bool) -> list[str]:
     remedies = []
@@ -811,14 +846,15 @@ def _remedies(modules: list[Coupling], buffers: list[BufferDiff], owners: dict[s
         measured = ("its CNN on MNIST, micro-batch 1 x 16 steps, valid accuracy, 3 seeds; points against the true "
                     f"batch of 16, 95% interval, verdict at ±0.5 points; accumulated BatchNorm: {accuracy:.2f}%, "
                     f"{against}, {verdict}")
+        channels = sorted({m.num_features for m in owners.values() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
         if norm_choices:
             remedies.append(f"for BatchNorm, as gaexp's study measured them ({measured}):")
-            remedies += [f"  norm={choice}: {NORMS[choice].remedy}: {accuracy:.2f}%, {against}, {verdict}"
+            remedies += [f"  {_norm_choice(choice, channels)}: {accuracy:.2f}%, {against}, {verdict}"
                          for choice, accuracy, against, verdict in BN_REMEDIES]
         else:
             remedies.append(f"for BatchNorm, what to change in the model, with what gaexp's study measured for each "
                             f"({measured}):")
-            remedies += [f"  {NORMS[choice].in_your_model}: {accuracy:.2f}%, {against}, {verdict}"
+            remedies += [f"  {_in_your_model(choice, channels)}: {accuracy:.2f}%, {against}, {verdict}"
                          for choice, accuracy, against, verdict in BN_REMEDIES]
     if any(not isinstance(owners[m], nn.modules.batchnorm._BatchNorm) for m in named):
         remedies.append("other coupling modules: compute their statistics per sample (GroupNorm, LayerNorm), or "

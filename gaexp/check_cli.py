@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -32,7 +33,7 @@ from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_ac
 from gaexp.config import CONFIG_DIR, DEVICES, DataConfig, composition_problem, typed, unknown_choice
 from gaexp.data import DataError, data_config, datasets
 from gaexp.datasets import describe, open_dataset
-from gaexp.model import check_model, make_model
+from gaexp.model import ARGUMENTS, check_model, make_model
 from gaexp.targets import TargetError
 from gaexp.train import resolve_device
 
@@ -173,18 +174,29 @@ def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
     return data_config(args.data, args.data_root or "outputs/data", **{k: yaml.safe_load(v) for k, v in given.items()})
 
 
+def gaexp_form(target: str, norm: str = "bn") -> str:
+    """The command that checks a gaexp model builder (norm_layer=, in_channels=, num_classes=) as gaexp builds it,
+    with `norm` (the config's default) in its norm layers."""
+    return f"gaexp-check model=custom model.target={shlex.quote(target)} norm={norm}"
+
+
 def from_import_path(target: str, args: argparse.Namespace, keys: Sequence[str] = ()) -> Subject:
     """The model a callable returns, called with --num-classes and --arg as keywords."""
     keywords = dict(args.arg)
     if args.num_classes is not None:
         keywords["num_classes"] = args.num_classes
+    make = targets.load(target, "TARGET", positional=None)
+    if not targets.accepts(make, tuple(keywords)) and targets.accepts(make, ARGUMENTS):
+        raise CheckError(f"TARGET={target!r}: {targets.signature_of(make)} is a gaexp model builder (it takes "
+                         f"{', '.join(f'{a}=' for a in ARGUMENTS)}); check it as gaexp builds it: "
+                         f"{gaexp_form(target)}")
     make = targets.load(target, "TARGET", tuple(keywords))
     torch.manual_seed(args.seed)
     try:
         model = make(**keywords)
     except Exception as e:  # noqa: BLE001 - the user's builder, said in one line
         raise CheckError(f"TARGET={target!r}: calling it with {keywords or 'no arguments'} raised "
-                         f"{type(e).__name__}: {e}") from None
+                         f"{targets.raised(e, target)}") from None
     if not isinstance(model, nn.Module):
         raise CheckError(f"TARGET={target!r} returned {type(model).__name__}; expected a torch.nn.Module")
     b, k = _sizes(args)

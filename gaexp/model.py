@@ -98,9 +98,21 @@ def load(target: str) -> Callable[..., nn.Module]:
     return targets.load(target, "model.target", ARGUMENTS)
 
 
-def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes: int) -> list[int]:
+def call_builder(make: Callable[..., nn.Module], target: str, placeholders: bool = False,
+                 **arguments: object) -> nn.Module:
+    """`make(**arguments)`, whatever the user's builder raises refused in one line naming model.target and the
+    file and line it arose at (`targets.raised`); `placeholders`: the norm layers are norm_channels' stand-ins."""
+    try:
+        return make(**arguments)
+    except Exception as e:  # noqa: BLE001 - the user's builder, said in one line
+        how = " with placeholder norm layers (nn.Identity, counting their channels)" if placeholders else ""
+        raise TargetError(f"model.target={target!r}: building the model{how} raised {targets.raised(e, target)}") \
+            from None
+
+
+def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes: int, target: str = "") -> list[int]:
     """The channel count of every norm layer the model asks for, from a build with placeholder layers
-    (the global RNG is left as it was)."""
+    (the global RNG is left as it was); `target`: the import path `make` came from, for its error."""
     channels: list[int] = []
 
     def record(c: int) -> nn.Module:
@@ -108,7 +120,8 @@ def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes:
         return nn.Identity()
 
     with torch.random.fork_rng(devices=[]):
-        make(norm_layer=record, in_channels=in_channels, num_classes=num_classes)
+        call_builder(make, target or getattr(make, "__qualname__", repr(make)), placeholders=True,
+                     norm_layer=record, in_channels=in_channels, num_classes=num_classes)
     return channels
 
 
@@ -139,7 +152,7 @@ def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> tor
     (norm.groups), and a batch of the data's `shape` gives one logit per class; returns the model so checked
     (for further checks), the global RNG left as it was."""
     make = load(c.model.target)
-    channels = norm_channels(make, shape[0], num_classes)
+    channels = norm_channels(make, shape[0], num_classes, c.model.target)
     norms.check_channels(c.norm.options(), channels, c.model.name)
     norms.check_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
@@ -152,5 +165,5 @@ def make_model(c: Config, in_channels: int, num_classes: int,
                make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
     """The cell's model for images of `in_channels` and `num_classes` classes (the dataset's), initialized from
     the global RNG (`build` seeds it); `make`: the builder, if already loaded from model.target."""
-    return (make or load(c.model.target))(norm_layer=norms.layer_of(c.norm),
-                                          in_channels=in_channels, num_classes=num_classes)
+    return call_builder(make or load(c.model.target), c.model.target, norm_layer=norms.layer_of(c.norm),
+                        in_channels=in_channels, num_classes=num_classes)

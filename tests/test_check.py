@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from functools import partial
@@ -20,7 +21,7 @@ from torchvision.models import resnet18
 from conftest import REPO
 
 from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError, check_accumulation
-from gaexp.check_cli import BAD_INPUT, SAFE, _finite, run
+from gaexp.check_cli import BAD_INPUT, SAFE, UNSAFE, _finite, main, run
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import norm2d
 from gaexp.zoo import truth
@@ -594,3 +595,90 @@ def test_the_data_is_found_where_the_studys_commands_put_it(data_root, monkeypat
     assert status == SAFE and "mnist's first 8 training images" in text
     status, text = run(["model=simple", "norm=gn4", "--data", "mnist"])  # outputs/data of this empty folder
     assert status == BAD_INPUT and f"not found under {tmp_path}/outputs/data" in text
+
+
+# --- the user's own code: broken files are bad input, a gaexp builder is told its command -------------------
+
+BROKEN = {  # module text -> what the one line says, and where
+    "import torch\ndef build():\n    return torch.nn.Linear(3, 4\n":
+        "cannot import '{m}': SyntaxError at {m}.py, line 3: '(' was never closed",
+    "import torch\n\nraise RuntimeError('no weights here')\n":
+        "cannot import '{m}': RuntimeError at {m}.py, line 3: no weights here",
+    "from torch import nn\n\n\ndef build():\n    return nn.Linear(3)\n":
+        "calling it with no arguments raised TypeError at {m}.py, line 5: Linear.__init__() missing 1 required",
+}
+
+
+@pytest.mark.parametrize("number,text", enumerate(BROKEN))
+def test_a_broken_user_module_is_bad_input_naming_its_file_and_line(number, text, tmp_path, monkeypatch):
+    """Exit status 2, never 1 (unsafe): a CI gate must not read a broken file as an unsafe model."""
+    module = f"broken_{number}_nets"
+    (tmp_path / f"{module}.py").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, line = run([f"{module}:build"])
+    assert status == BAD_INPUT and line.startswith(f"gaexp-check: error: TARGET='{module}:build': "
+                                                   + BROKEN[text].format(m=module)) and "\n" not in line, line
+
+
+def test_a_broken_gaexp_model_names_model_target_its_file_and_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_custom_nets.py").write_text("import torch\n\ndef build(norm_layer, in_channels, num_classes)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status, line = run(["model=custom", "model.target=broken_custom_nets:build", "norm=gn4"])
+    assert status == BAD_INPUT and line == ("gaexp-check: error: model.target='broken_custom_nets:build': cannot "
+                                            "import 'broken_custom_nets': SyntaxError at broken_custom_nets.py, "
+                                            "line 3: expected ':'"), line
+
+
+GAEXP_BUILDER = """from torch import nn
+
+
+def build(norm_layer, in_channels, num_classes):
+    return nn.Sequential(nn.Conv2d(in_channels, 24, 3, padding=1), norm_layer(24), nn.ReLU(),
+                         nn.Conv2d(24, 32, 3, padding=1), norm_layer(32), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
+"""
+
+
+def test_a_gaexp_builder_given_as_an_import_path_is_told_the_command_that_works(tmp_path, monkeypatch, capsys):
+    """The hint runs as printed (through the console script's main, in the folder the user is in), and so does
+    the GroupNorm remedy it prints for 24 and 32 channels, where 16 groups would be refused."""
+    (tmp_path / "hint_nets.py").write_text(GAEXP_BUILDER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the current folder on it, as the script does
+    with pytest.raises(SystemExit) as done:
+        main(["hint_nets:build"])
+    line = capsys.readouterr().err.strip()
+    assert done.value.code == BAD_INPUT and line.startswith(
+        "gaexp-check: error: TARGET='hint_nets:build': build(norm_layer, in_channels, num_classes) is a gaexp model "
+        "builder (it takes norm_layer=, in_channels=, num_classes=)"), line
+    command = shlex.split(line.partition("check it as gaexp builds it: ")[2])
+    assert command[0] == "gaexp-check" and "model.target=hint_nets:build" in command
+    with pytest.raises(SystemExit) as done:
+        main(command[1:])
+    out = capsys.readouterr().out
+    assert done.value.code == UNSAFE and out.startswith("gaexp-check model=custom norm=bn"), out
+    remedy = next(row.strip() for row in out.splitlines() if "GroupNorm" in row)
+    assert remedy.startswith("norm=gn norm.groups=8: GroupNorm with 8 groups instead (the study measured 16, which "
+                             "does not divide the model's 24 channels): 97.31%"), remedy
+    status, text = run(["model=custom", "model.target=hint_nets:build", *remedy.partition(":")[0].split()])
+    assert status == SAFE, text
+
+
+def test_the_groupnorm_remedy_names_a_group_count_that_divides_each_layer():
+    """BatchNorms of 12, 24 and 32 channels: 16 groups for 32, 8 for 24, 4 for 12; the layers so replaced build
+    (GroupNorm refuses a count that does not divide) and the model is then safe."""
+    def model(norm):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 12, 3), norm(12), nn.Conv2d(12, 24, 3), norm(24), nn.Conv2d(24, 32, 3),
+                             norm(32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+    inputs, labels = torch.rand(8, 3, 12, 12), torch.randint(0, 10, (8,))
+    report = check_accumulation(model(nn.BatchNorm2d), inputs, labels, micro_batch=2, num_accum=4)
+    remedy = next(row.strip() for row in report.remedies if "GroupNorm" in row)
+    assert remedy.startswith("nn.GroupNorm(16, C) in place of each BatchNorm2d (nn.GroupNorm(8, C) for C = 24; "
+                             "nn.GroupNorm(4, C) for C = 12: 16 groups must divide C): 97.31%"), remedy
+    said = {int(c): int(g) for g, c in re.findall(r"nn.GroupNorm\((\d+), C\) for C = (\d+)", remedy)}
+    assert not check_accumulation(model(lambda c: nn.GroupNorm(said.get(c, 16), c)), inputs, labels,
+                                  micro_batch=2, num_accum=4).causes

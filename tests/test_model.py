@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -128,6 +132,58 @@ def test_a_bad_model_is_one_line_naming_what_was_expected(user_models, compose, 
     with pytest.raises(TargetError, match=message) as info:
         check(compose("model=custom", f"model.target={target}"))
     assert "\n" not in str(info.value)
+
+
+BROKEN = """import torch
+from torch import nn
+
+
+def build(norm_layer, in_channels, num_classes):
+    layer = norm_layer(8)
+    if not isinstance(layer, nn.Identity):  # gaexp's real norm layers, not norm_channels' stand-ins
+        raise RuntimeError("only with a real norm")
+    return nn.Sequential(nn.Conv2d(in_channels, 8, 3), layer, nn.Flatten(), nn.LazyLinear(num_classes))
+
+
+def placeholder(norm_layer, in_channels, num_classes):
+    return nn.Sequential(nn.Conv2d(in_channels, 8, 3), nn.Linear(norm_layer(8).weight.shape[0], num_classes))
+"""
+
+
+@pytest.mark.parametrize("text, target, message", [
+    ("import torch\n\ndef build(norm_layer, in_channels, num_classes)\n    pass\n", "syntax_nets:build",
+     r"cannot import 'syntax_nets': SyntaxError at syntax_nets.py, line 3: expected ':'$"),
+    ("import torch\nimport no_such_dependency_here\n", "needs_nets:build",
+     r"cannot import 'needs_nets': ModuleNotFoundError at needs_nets.py, line 2: No module named "
+     r"'no_such_dependency_here'$"),
+    (BROKEN, "raising_nets:build", r"building the model raised RuntimeError at raising_nets.py, line 8: only with a "
+                                   r"real norm$"),
+    (BROKEN, "stand_in_nets:placeholder", r"building the model with placeholder norm layers \(nn.Identity, counting "
+                                          r"their channels\) raised AttributeError at stand_in_nets.py, line 13: "
+                                          r"'Identity' object has no attribute 'weight'$"),
+])
+def test_a_users_model_that_raises_is_one_line_naming_model_target_its_file_and_line(text, target, message, compose,
+                                                                                     tmp_path, monkeypatch):
+    (tmp_path / f"{target.partition(':')[0]}.py").write_text(text)  # a module name of its own: imported once
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TargetError, match=rf"^model.target='{target}': {message}") as info:
+        check(compose("model=custom", f"model.target={target}", "norm=gn4"))
+    assert "\n" not in str(info.value)
+
+
+def test_the_gaexp_command_ends_on_a_broken_model_file_in_one_line(tmp_path, data_root):
+    """`python -m gaexp model=custom model.target=badnets:build ...` with a SyntaxError in badnets.py: no traceback,
+    one line naming the key, the file and the line, before any run."""
+    (tmp_path / "badnets.py").write_text("import torch\ndef build(norm_layer, in_channels, num_classes):\n"
+                                         "    return torch.nn.Linear(1, 1\n")
+    done = subprocess.run([sys.executable, "-m", "gaexp", "model=custom", "model.target=badnets:build", "norm=gn4",
+                           "train.num_iterations=2", f"paths.outputs={tmp_path / 'out'}", f"data.root={data_root}",
+                           "data.sources=[local]"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode != 0 and done.stdout == "" and done.stderr.splitlines() == [
+        "error: model.target='badnets:build': cannot import 'badnets': SyntaxError at badnets.py, line 3: "
+        "'(' was never closed"], done.stderr[-2000:]
 
 
 def test_simple_model_shapes_and_size():
