@@ -10,7 +10,9 @@ its first step or pass is the per-cell compile cost (graphs come from Inductor's
 first cell made them); it is reported apart and added per cell. The grid estimate sums, over the norms,
 regimes and 3 seeds, each cell's training at its measured rate, its 12 evaluations of 10,000 images and
 that compile cost, and divides by the cells run at once. Process start and MLflow logging are left out:
-compare the estimate with a real grid (docs/results.md). `--naive` adds the usual tutorial loop
+compare the estimate with a real grid (docs/results.md). The `auto` column is the engine gaexp's default,
+accumulate=auto, takes for the norm and regime (gaexp/engine.py; memory not considered), and the estimate's
+`auto h` the grid under it. `--naive` adds the usual tutorial loop
 (DataLoader, `.item()` every micro-step, NCHW, evaluation in batches of 32) as another side.
 """
 
@@ -31,6 +33,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import ToTensor
 
+from gaexp import engine
 from gaexp.batches import Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, NormConfig, regime_name
 from gaexp.data import DataError, data_config, datasets, torchvision_class
@@ -243,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{args.threads} thread(s); {args.samples} training samples and {args.eval_images} test images per "
           f"measurement, {args.repeats} repeats after a warm-up, medians;\n        eager (compile=off) beside "
           f"gaexp (compile={args.compile}, accumulate=loop) beside batched (compile={args.compile}, "
-          f"accumulate=batched; gain: batched / gaexp);\n        torch {torch.__version__}, {args.cores} cores")
+          f"accumulate=batched; gain: batched / gaexp; auto: what the default accumulate=auto runs);\n        torch {torch.__version__}, {args.cores} cores")
 
     rates: dict[str, dict[str, dict[str, tuple[float, float]]]] = {}  # norm -> regime|eval -> side -> (rate, s)
     for norm in args.norms:
@@ -251,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         rates[norm] = {}
         print(f"\n{norm}: compile={args.compile} compiles {' and '.join(sorted(phases, reverse=True)) or 'nothing'}")
         naive_column = f" {'naive':>9}" if args.naive else ""
-        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9} {'batched':>9} {'gain':>6}{naive_column}")
+        print(f"{'':8} {'eager':>9} {'gaexp':>9} {'ratio':>6} {'compile s':>9} {'batched':>9} {'gain':>6} {'auto':>7}"
+              f"{naive_column}")
         for name, (b, k) in [*args.regimes.items(), ("eval", (0, 0))]:
             if name == "eval":
                 measure = partial(evaluation, valid, args.model, norm, args.eval_images, device)
@@ -270,10 +274,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             measured = interleaved(args.repeats, sides)
             measured.setdefault("gaexp", measured["eager"])  # not compiled: gaexp's side is the eager loop
             measured.setdefault("batched", measured["gaexp"])
+            chosen = "loop" if name == "eval" else engine.choose("auto", _built(data, args.model, norm), b, k, len(data),
+                                                                 lambda _: None).engine
+            measured["auto"] = measured["batched" if chosen == "batched" else "gaexp"]
             rates[norm][name] = measured
             (eager, _), (fast, overhead), (batched, _) = measured["eager"], measured["gaexp"], measured["batched"]
             print(f"{name:8} {eager:>9.0f} {fast:>9.0f} {fast / eager:>5.2f}x {overhead:>9.1f} {batched:>9.0f} "
-                  f"{batched / fast:>5.2f}x"
+                  f"{batched / fast:>5.2f}x {'' if name == 'eval' else chosen:>7}"
                   + (f" {measured['naive'][0]:>9.0f}" if args.naive else "")
                   + ("   images/s" if name == "eval" else "   samples/s"))
 
@@ -288,15 +295,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"\nEstimated grid ({len(args.norms)} norms x 4 regimes x {SEEDS} seeds, {ITERATIONS} steps, "
               f"{EVALS} evaluations of {VALID_IMAGES:,} images; {args.jobs} cells at once x {args.threads} thread(s); "
               "process start and logging left out):")
-        print(f"{'norm':8} {'eager h':>8} {'gaexp h':>8} {'batched h':>9}")
-        totals = {"eager": 0.0, "gaexp": 0.0, "batched": 0.0}
+        print(f"{'norm':8} {'eager h':>8} {'gaexp h':>8} {'batched h':>9} {'auto h':>7}")
+        totals = {"eager": 0.0, "gaexp": 0.0, "batched": 0.0, "auto": 0.0}
         for norm in args.norms:
             hours = {side: norm_grid_seconds({n: v[side] for n, v in rates[norm].items()}, args.jobs) / 3600
                      for side in totals}
             totals = {side: totals[side] + hours[side] * 3600 for side in totals}
-            print(f"{norm:8} {hours['eager']:>8.2f} {hours['gaexp']:>8.2f} {hours['batched']:>9.2f}")
+            print(f"{norm:8} {hours['eager']:>8.2f} {hours['gaexp']:>8.2f} {hours['batched']:>9.2f} {hours['auto']:>7.2f}")
         print(f"{'total':8} {totals['eager'] / 3600:>8.2f} {totals['gaexp'] / 3600:>8.2f} {totals['batched'] / 3600:>9.2f}"
-              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} -> {totals['batched'] / 60:.0f} min; "
+              f" {totals['auto'] / 3600:>7.2f}"
+              f"   ({totals['eager'] / 60:.0f} -> {totals['gaexp'] / 60:.0f} -> {totals['batched'] / 60:.0f} min, "
+              f"auto {totals['auto'] / 60:.0f} min; "
               "assumes cells scale across processes)")
 
 

@@ -32,20 +32,22 @@ def test_benchmark_prints_every_norms_table_its_cost_against_none_and_the_grid(d
     for norm in ("bn", "gn4", "none"):
         table = out.split(f"\n{norm}: compile=off compiles nothing\n")[1]
         for name in ("bs1a1", "bs1a16", "bs4a4", "bs16a1", "eval"):  # off: gaexp's side is the eager loop
-            found = re.search(rf"^{name}\s+\d+\s+(\d+)\s+1\.00x\s+0\.0\s+(\d+)\s+(\d+\.\d\d)x", table, re.M)
+            found = re.search(rf"^{name}\s+\d+\s+(\d+)\s+1\.00x\s+0\.0\s+(\d+)\s+(\d+\.\d\d)x +(\w*) ", table, re.M)
             assert found, table
-            loop, batched, gain = found.groups()
-            assert float(gain) == pytest.approx(int(batched) / int(loop), abs=0.02)
+            loop, batched, gain, auto = found.groups()
+            assert auto == ("" if name == "eval" else "batched")  # accumulate=auto: every study norm chunks exactly
+            assert float(gain) == pytest.approx(int(batched) / int(loop), rel=0.02)  # rates printed rounded: ±0.5
             if name == "eval":  # evaluation does not depend on the engine
                 assert batched == loop and gain == "1.00"
     assert re.search(r"^none\s+1\.00x\s+1\.00x\s+1\.00x\s+1\.00x\s+1\.00x$", out, re.M)
     assert re.search(r"^gn4(\s+\d+\.\d\dx){5}$", out, re.M)
     rows = {m[1]: [float(v) for v in m.groups()[1:]]
-            for m in re.finditer(r"^(bn|gn4|none|total)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)",
+            for m in re.finditer(r"^(bn|gn4|none|total)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)\s+(\d+\.\d\d)",
                                  out.split("Estimated grid")[1], re.M)}
     assert engines.count("batched") == engines.count("loop") == 3 * 4 * 2  # per norm and regime: a warm-up, a repeat
-    for side in range(3):  # eager, gaexp, batched
+    for side in range(4):  # eager, gaexp, batched, auto
         assert rows["total"][side] == pytest.approx(sum(rows[n][side] for n in ("bn", "gn4", "none")), abs=0.02)
+    assert all(rows[n][3] == rows[n][2] for n in rows)  # auto's grid is the batched one
 
 
 @pytest.mark.slow

@@ -111,7 +111,7 @@ def user_models(tmp_path, monkeypatch):
 def test_a_users_model_loads_by_import_path(user_models, compose):
     assert load(f"{user_models}:build") is load(f"{user_models}.build")  # both spellings
     c = check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=4"))
-    assert c.run_name == "custom-gn-bs16a1-s1" and make_model(c, 1, 10)[1].num_groups == 4
+    assert c.run_name == "custom-batched-gn-bs16a1-s1" and make_model(c, 1, 10)[1].num_groups == 4
     with pytest.raises(ValueError, match=r"norm.groups=3 does not divide the channels \[8\] of model=custom"):
         check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=3"))
 
