@@ -17,9 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gaexp import liveness, redact, targets
-from gaexp.cell import run_cell
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, composition_problem, hydra_overrides, unknown_choice
-from gaexp.hooks import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +39,9 @@ def quiet_console(quiet: bool, level: int = logging.WARNING) -> Iterator[None]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
+    from gaexp.cell import run_cell  # torch and MLflow: loaded when a cell runs, not to print a config or refuse input
+    from gaexp.hooks import Stopped
+
     redact.mask_logs()  # the job's console and log file
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
@@ -59,6 +60,9 @@ def main(cfg: DictConfig) -> float:
 def sweep_cell(cfg: DictConfig, hc: DictConfig, output_dir: Path) -> float:
     """A cell in a multirun: the launching terminal shows the sweep's progress, the cell's lines go to its
     gaexp.log; a cell that fails leaves FAILED_MARKER and nan, and the others run."""
+    from gaexp.cell import run_cell
+    from gaexp.hooks import Stopped
+
     try:
         with quiet_console(not hc.verbose):
             return run_cell(cfg, sweep_id=Path(hc.sweep.dir).name, hydra_dir=output_dir / hc.output_subdir,

@@ -2,28 +2,28 @@
 job, and when a multirun ends the sweep's report, its Optuna studies in MLflow, and the exit naming failed cells.
 
 They run in the launching process; Hydra also carries them to each job, so the analysis and the study reports
-(matplotlib, scipy, Optuna) are imported only where a multirun ends.
+(matplotlib, scipy, Optuna) are imported only where a multirun ends, and torch and MLflow only once the input is
+known to be good: a range error (seed=-1) is refused without them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra_plugins.gaexp_optuna_sweeper.config import RESULTS
-from mlflow.tracking import MlflowClient
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
-from gaexp import datasets, liveness, redact, tracking, trial
-from gaexp.cell import check
-from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, job_config
+from gaexp import liveness, redact
+from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, Config, job_config, typed
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
@@ -38,15 +38,16 @@ def prepare(cfg: DictConfig) -> str:
     store; returns the experiment id. Writes nothing on bad input."""
     from hydra.utils import instantiate
 
-    from gaexp.cell import check_split
     from gaexp.config import swept_cells
 
-    c = check(job_config(cfg))
-    for name, cell in swept_cells(cfg):  # Hydra gives a callback the swept keys at their defaults
-        try:
-            check(job_config(cell))
-        except Exception as e:  # noqa: BLE001 - as the grid sweeper names a bad cell
-            raise ValueError(f"cell {' '.join(name)}: {e}") from None
+    cells = swept_cells(cfg)  # Hydra gives a callback the swept keys at their defaults
+    check_cells(cfg, cells, typed_before_torch)  # types and ranges first: refused before torch and MLflow load
+    from mlflow.tracking import MlflowClient
+
+    from gaexp import datasets, tracking, trial
+    from gaexp.cell import check, check_split  # the model against the data, the memory: torch
+
+    c = check_cells(cfg, cells, check)
     if str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")).startswith("hydra_plugins.gaexp_"):
         try:  # its settings, checked as Hydra makes it (after this callback)
             instantiate(cfg.hydra.sweeper)
@@ -64,6 +65,28 @@ def prepare(cfg: DictConfig) -> str:
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
         log.warning("marked KILLED: %s", run)
     return experiment_id
+
+
+def typed_before_torch(cfg: DictConfig) -> Config:
+    """`typed` on a job's config but for device_type=${gaexp.device_type:auto}, whose resolver asks torch (seconds
+    to import) whether it sees a GPU: `check` resolves and checks that one after."""
+    job = copy.deepcopy(job_config(cfg))
+    if OmegaConf.is_interpolation(job, "device_type"):
+        with read_write(job):
+            job.device_type = "cpu"
+    return typed(job)
+
+
+def check_cells(cfg: DictConfig, cells: list, check: Callable[[DictConfig], Config]) -> Config:
+    """`check` on the command's first cell, then on each of `cells` (named as the grid sweeper names a bad
+    cell); returns the first cell's checked config."""
+    c = check(job_config(cfg))
+    for name, cell in cells:
+        try:
+            check(job_config(cell))
+        except Exception as e:  # noqa: BLE001 - every kind of bad input of a cell is named the same way
+            raise ValueError(f"cell {' '.join(name)}: {e}") from None
+    return c
 
 
 class PrepareCallback(Callback):
@@ -129,7 +152,9 @@ class ReportCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if (Path(config.hydra.sweep.dir) / RESULTS).is_file():
             return  # a tuning sweep: its trials are no grid (StudiesCallback reports it)
-        from gaexp import analysis  # pandas, scipy, matplotlib: here, where the multirun ends, not in each job
+        from mlflow.tracking import MlflowClient
+
+        from gaexp import analysis, tracking  # pandas, scipy, matplotlib: here, where the multirun ends, not in each job
 
         sweep_id = Path(config.hydra.sweep.dir).name
         out = Path(config.paths.outputs) / "reports" / sweep_id
@@ -178,7 +203,9 @@ class StudiesCallback(Callback):
         results = Path(config.hydra.sweep.dir) / RESULTS
         if not results.is_file():
             return  # not a tuning sweep
-        from gaexp import tuning  # Optuna and its plots: only where a search ends
+        from mlflow.tracking import MlflowClient
+
+        from gaexp import tracking, tuning  # Optuna and its plots: only where a search ends
 
         client = MlflowClient(config.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)

@@ -493,3 +493,29 @@ def test_the_report_command_a_sweep_prints_runs_as_printed(tmp_path, compose, ca
     analysis.main(shlex.split(command)[1:])
     out = capsys.readouterr().out
     assert "over evaluations at step > 0" in out and "| gn4 | bs4a4 |" in out
+
+
+def imported(importtime: str) -> set[str]:
+    """The top-level packages a command imported, from what `python -X importtime` wrote to its stderr."""
+    return {line.split("|")[2].strip().split(".")[0] for line in importtime.splitlines()
+            if line.startswith("import time:") and line.count("|") == 2} - {"package"}  # "package": its header
+
+
+@pytest.mark.parametrize("argv, rc, said", [
+    (["--cfg", "job"], 0, "regime:\n"),
+    (["norm=bogus"], 1, "error: norm=bogus: no such norm; valid: "),
+    (["regime.batch_size=abc"], 1, "error: Error merging override regime.batch_size=abc: "),
+    (["-m", "norm=bn,gn4", "seed=2,-1"], 1, "error: cell seed=-1: seed=-1; valid: an integer in [0, 2**63 - 1]"),
+])
+def test_printing_a_config_or_refusing_bad_input_loads_neither_torch_nor_mlflow(argv, rc, said, tmp_path, data_root):
+    """Seconds each: what a cell needs (torch, MLflow, pandas) loads when one runs, not to print or refuse input;
+    the range check of a swept value too, device=auto left unresolved until the input is known to be good."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "gaexp", *argv, f"paths.outputs={tmp_path}",
+                           f"data.root={data_root}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == rc, done.stderr[-2000:]
+    assert said in (done.stdout if rc == 0 else done.stderr)
+    loaded = imported(done.stderr)
+    assert {"hydra", "gaexp", "omegaconf"} <= loaded  # the parse reads the modules it imported
+    assert not loaded & {"torch", "mlflow", "pandas", "optuna"}, sorted(loaded & {"torch", "mlflow", "pandas", "optuna"})
+    assert not (tmp_path / "mlflow.db").exists()
+

@@ -276,7 +276,7 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "cli", "config", "metrics", "configdocs", "targets", "data", "imagefolder", "batches",
-              "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "train", "check",
+              "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "engine", "train", "check",
               "tracking", "cell", "storegen", "server", "progress", "eta_replay", "tuning", "analysis", "ui", "compare",
               "storebench", "bench", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
           f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher"]
