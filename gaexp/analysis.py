@@ -463,8 +463,13 @@ def _grid(n_panels: int, max_cols: int = 3):
 
 
 def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisConfig | None = None) -> plt.Figure:
-    """One panel per norm, one colour per regime: mean over seeds, band from min to max."""
+    """One panel per norm, one colour per regime: mean over seeds, band from min to max; accuracy in %, as the
+    tables give it, against whole optimizer steps."""
+    from matplotlib.ticker import MaxNLocator
+
     design = design or AnalysisConfig()
+    if metric == "valid_acc":
+        data = data.assign(valid_acc=100 * data.valid_acc)
     norms = _order(data.norm, norm_order(design))
     regimes = _order(data.regime, design.regime_order)
     colors = dict(zip(design.regime_order, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
@@ -480,11 +485,12 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisC
             ax.fill_between(s.step, s["min"], s["max"], color=ax.lines[-1].get_color(), alpha=0.18, lw=0)
         ax.set_title(norm, fontsize=12)
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: a short run's few never show as 2.5
     if metric == "valid_acc":  # zoom on the effective-batch-16 curves; bs1a1 may start below
         focus = stats_[stats_.regime.isin(design.table_columns)]
         low = (focus if not focus.empty else stats_)["mean"].min()
-        axes[0].set_ylim(max(0.0, min(low, 0.95) - 0.02), 1.0)
-        label = "validation accuracy"
+        axes[0].set_ylim(max(0.0, min(low, 95) - 2), 100)
+        label = "validation accuracy (%)"
     else:
         low, high = stats_["min"].min(), stats_["max"].max()
         if low == high:  # flat curves: give the log axis a range around them before it is made

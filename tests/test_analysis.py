@@ -366,8 +366,12 @@ def test_figures_have_a_panel_per_norm_and_a_line_per_regime(store):
     assert [line.get_label() for line in axes[1].lines] == ["bs1a16", "bs16a1"]
     mean_line = axes[0].lines[1]  # bn/bs1a16: mean over the two seeds at each step
     assert list(mean_line.get_xdata()) == list(STEPS)
-    assert np.allclose(mean_line.get_ydata(), [0.45, 0.525, 0.60])
-    assert axes[0].get_ylim() == axes[1].get_ylim() and axes[0].get_ylabel() == "validation accuracy"
+    assert np.allclose(mean_line.get_ydata(), [45, 52.5, 60])  # %, as the tables
+    assert axes[0].get_ylim() == axes[1].get_ylim() and axes[0].get_ylabel() == "validation accuracy (%)"
+    plt.close(fig)
+    fig = plot_curves(data.assign(step=data.step // STEPS[0]))  # a short run: evaluations at steps 1, 2, 3
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in fig.axes[0].get_xticks())
     plt.close(fig)
     fig = plot_curves(data, "train_loss")
     assert fig.axes[0].get_yscale() == "log"
@@ -460,3 +464,15 @@ def test_rows_follow_the_order_the_norms_are_declared_in_then_ones_own_sorted():
     default = analysis.norm_order(AnalysisConfig())
     assert analysis._order(["zz", "gn4", "mean_bn", "in", "brn", "bn"], default) == ["bn", "in", "gn4", "brn", "mean_bn", "zz"]
     assert analysis.norm_order(AnalysisConfig(norm_order=["in", "bn"])) == ["in", "bn"]
+
+
+def test_the_latest_sweep_passes_a_newer_single_run_by(store):
+    """In a folder of mixed work: a single run (`gaexp` without -m) after a grid; the report's latest is the grid,
+    and the single run's own sweep where no multirun ran."""
+    client, experiment_id, _ = store
+    single = add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.9, 0.9, 0.9), sweep="run-c")
+    client.set_tag(single, tracking.SINGLE_RUN, "true")
+    assert collect(client, "gaexp", "latest").data.sweep_id.unique().tolist() == ["sweep-a"]
+    only = client.create_experiment("singles")
+    client.set_tag(add_run(client, only, "gn4", "bs4a4", 1, (0.9,), sweep="run-d"), tracking.SINGLE_RUN, "true")
+    assert analysis.latest_sweep(client, [only]) == "run-d"
