@@ -48,6 +48,7 @@ REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
 DATASET, MODEL = "dataset", "model"  # the protocol columns of data.dataset and model.name
 ENGINE = column("accumulate")  # may differ between cells (accumulate=auto's fallback), never within one
 PARTS = {DATASET: "data.dataset", MODEL: "model.name"}  # a report never pools two values of these: one per value
+LAUNCH_WINDOW = "launch_window_start"  # a run's analysis.window_start as its command had it (its sweep's report's)
 RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)
 
 
@@ -181,12 +182,13 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
                 **{name: _number(params.get(key, str(ADDED_DEFAULTS.get(key, "nan"))))
                    for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
         run_rows.append({**{k: base[k] for k in [*TIDY[:7], *PARTS]},
-                         **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS}})
+                         **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS},
+                         LAUNCH_WINDOW: _number(params.get("analysis.window_start", "nan"))})
         for step, acc, loss in curves(client, run):
             rows.append({**base, "step": step, "valid_acc": acc, "train_loss": loss})
     data = pd.DataFrame(rows, columns=TIDY)
     collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
-                          pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS]))
+                          pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS, LAUNCH_WINDOW]))
     return select(collected, dataset=dataset, model=model)
 
 
@@ -676,6 +678,17 @@ def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design
     return made
 
 
+def window_note(collected: Collected, window_start: int, chosen: bool) -> str:
+    """Where the window of this report is not the one the runs' own command had (the end-of-sweep report's, e.g.
+    gaexp-tuned's reruns carry their search's): one line saying both, so the two tables' numbers are explained."""
+    launched = sorted({int(w) for w in collected.runs[LAUNCH_WINDOW].dropna()}) if collected.runs is not None else []
+    if chosen or not launched or launched == [window_start]:
+        return ""
+    return (f"note: this report averages evaluations at step > {window_start} (the study's analysis.window_start); "
+            f"the runs' own command had {', '.join(map(str, launched))}, which their sweep's report used: "
+            f"--window-start {launched[0]} gives that table")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gaexp-report", description=(
         "Rebuild the comparison table and learning curves of a gaexp sweep from MLflow."))
@@ -710,6 +723,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                  dataset=args.dataset, model=args.model, plots=False)
     except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
+    note = window_note(collected, design.window_start, args.window_start is not None)
+    if note:
+        print(note)
     models = values_in(collected, MODEL)
     shown_model = "" if models == [ADDED_DEFAULTS["model.name"]] else f"model: {', '.join(models)}  "
     print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  {shown_model}"

@@ -476,3 +476,18 @@ def test_the_latest_sweep_passes_a_newer_single_run_by(store):
     only = client.create_experiment("singles")
     client.set_tag(add_run(client, only, "gn4", "bs4a4", 1, (0.9,), sweep="run-d"), tracking.SINGLE_RUN, "true")
     assert analysis.latest_sweep(client, [only]) == "run-d"
+
+
+def test_a_report_with_another_window_than_the_runs_command_says_both(store, tmp_path, capsys):
+    """gaexp-tuned's reruns carry their search's analysis.window_start, and their sweep's report uses it; the
+    study's report (another window) says so, and how to get the other table."""
+    client, experiment_id, uri = store
+    for run in client.search_runs([experiment_id]):
+        client.log_param(run.info.run_id, "analysis.window_start", "600")
+    analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "r"), "--no-plots"])
+    out = capsys.readouterr().out
+    assert out.startswith("note: this report averages evaluations at step > 250 (the study's analysis.window_start); "
+                          "the runs' own command had 600, which their sweep's report used: --window-start 600 gives "
+                          "that table\nsweep: ")
+    analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "r"), "--no-plots", "--window-start", "600"])
+    assert "note:" not in capsys.readouterr().out
