@@ -225,7 +225,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                     valid_data: Split, meta: datasets.Meta, device: torch.device, memory: dict[str, float],
                     client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None,
-                    in_sweep: bool = True) -> float:
+                    in_sweep: bool = True, cell_start: float | None = None) -> float:
     """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
     value `returned_value` gives. `bar`: a tqdm bar
     over the steps; None: on a terminal; False: a log line per evaluation). A trial
@@ -235,6 +235,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
             "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "accumulate": c.accumulate,
             engine.SETTING_TAG: choice.setting, **({} if in_sweep else {tracking.SINGLE_RUN: "true"}),
+            **({tracking.CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
             **({engine.FALLBACK_TAG: choice.reason} if choice.fell_back else {}),
             "sweep_id": sweep_id,
             tracking.SWEEPS: sweep_id, "protocol_key": key,
@@ -298,6 +299,7 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     """Train one cell of the grid and track it; returns `returned_value`. The store and data
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
+    started = time.time()  # the run records it: its setup's share of the time (gaexp.breakdown)
     c, choice = checked(cfg)  # again where the cell runs: a cluster node may see another device than the launcher
     device = resolve_device(c.device)
     if device.type == "cuda" and c.deterministic:
@@ -326,4 +328,4 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
     return train_and_track(c, resolved, key, choice, model, train_data, valid_data, dataset.meta, device, memory,
-                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep)
+                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep, started)

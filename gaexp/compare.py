@@ -18,11 +18,11 @@ from mlflow.tracking import MlflowClient
 from gaexp.analysis import PARTS, training_runs
 from gaexp import engine, metrics
 from gaexp.config import ADDED_DEFAULTS
-from gaexp.tracking import CURVES, SINGLE_RUN
+from gaexp.tracking import CELL_START, CURVES, SINGLE_RUN
 
 MEASURED = metrics.MEASURED  # vary run to run
 PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat",  # where and when,
-              engine.SETTING_TAG, SINGLE_RUN}  # and how it was asked (the engine used is the tag accumulate): not what
+              CELL_START, engine.SETTING_TAG, SINGLE_RUN}  # and how it was asked (the engine used is the tag accumulate): not what
 ADDED_TAGS = {**{tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()},  # tags runs recorded before them lack:
               "accumulate": ADDED_DEFAULTS["accumulate"]}  # this value
 

@@ -44,6 +44,7 @@ log = logging.getLogger("gaexp.app")  # the application's log
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 MAX_TAG_LENGTH = 8000  # and on a tag value
 HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
+CELL_START = "gaexp.cell_start"  # epoch seconds its cell began (run_cell): its checks, data and model before the run
 PROCESS_START = "gaexp.process_start"  # with the pid in HOST: the one process that ran the run (liveness.process_start)
 SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK, what scancel and sacct take)
 PAGE_SIZE = 1_000  # runs per search page (search_all follows the pages to the end)
