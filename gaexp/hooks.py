@@ -106,17 +106,27 @@ class DivergenceCheck(Hook):
 
 class Progress(Hook):
     """A tqdm bar over the optimizer steps when `show` (default: stderr is a terminal); otherwise
-    one log line per evaluation."""
+    one log line per evaluation. `compiling_eval`: evaluation runs through torch.compile, so the first
+    one compiles its graph (tens of seconds with a cold cache): the bar says so until it ends."""
 
-    def __init__(self, total: int, desc: str = "", show: bool | None = None) -> None:
-        self.total, self.desc = total, desc
+    COMPILING = "compiling evaluation..."
+
+    def __init__(self, total: int, desc: str = "", show: bool | None = None, compiling_eval: bool = False) -> None:
+        self.total, self.desc, self.compiling = total, desc, compiling_eval
         self.show = sys.stderr.isatty() if show is None else show
         self.bar = tqdm(total=total, desc=desc, disable=not self.show, dynamic_ncols=True, leave=False)
 
     def after_step(self, step: int, losses: torch.Tensor) -> None:
         self.bar.update()
 
+    def before_eval(self, model: torch.nn.Module, step: int) -> None:
+        if self.compiling:
+            self.bar.set_postfix_str(self.COMPILING)
+            if not self.show:
+                log.info("%s step %d/%d: %s", self.desc, step, self.total, self.COMPILING)
+
     def after_eval(self, point: EvalPoint) -> None:
+        self.compiling = False  # compiled: the postfix below replaces the word
         self.bar.set_postfix(loss=f"{point.train_loss:.4f}", valid_acc=f"{point.valid_acc:.4f}",
                              samples_s=f"{point.samples_per_sec:.0f}")
         if not self.show:

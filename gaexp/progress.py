@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gaexp import cli, metrics
 from gaexp.redact import mask, reconnectable
-from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, runs_in_sweep, search_all
+from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, recorded_process, runs_in_sweep, search_all
 from hydra_plugins.gaexp_optuna_sweeper import tally as trials
 from hydra_plugins.gaexp_optuna_sweeper.tally import duration
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
@@ -130,7 +130,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Snapshot:
-    counts: dict[str, int]  # finished, failed, killed, skipped, running, waiting
+    counts: dict[str, int]  # finished, failed, killed, skipped, running, starting, waiting
     total: int | None
     done_s: float  # expected seconds of work done (finished, failed, skipped, and running cells' part)
     total_s: float | None
@@ -138,6 +138,17 @@ class Snapshot:
     eta_s: float | None
     speed: float  # expected seconds of training and evaluation per real second of one cell (1: as the model says)
     graph_s: float = GRAPH_S  # the seconds a new graph takes here, as fitted
+    left_s: float | None = None  # expected seconds of work left (running cells' rest, waiting cells); None: unknown
+    stopped: bool = False  # the launching process is gone: nothing more runs, no ETA
+
+    @property
+    def share(self) -> float | None:
+        """The work done as a fraction of the work done and left: a skipped cell's work is done work, and the
+        work a resume no longer does (the graphs its skipped cells compiled before) is not left, so a sweep
+        whose every cell ended reads 1. None: the work is not known (no plan)."""
+        if self.left_s is None or self.done_s + self.left_s <= 0:
+            return None
+        return self.done_s / (self.done_s + self.left_s)
 
 
 # How far the model may be off before cells tell (a fraction of a cell's seconds; seconds for a graph and
@@ -191,12 +202,15 @@ def finish(running_left: Sequence[float], waiting: Sequence[float], at_once: int
 
 
 def snapshot(plan: Plan, cells: Sequence[Cell], failed_unrecorded: int = 0, now: float | None = None,
-             observed_at_once: int = 0) -> Snapshot:
+             observed_at_once: int = 0, stopped: bool = False) -> Snapshot:
     """Accounting of a sweep: pure, from its plan and its cells' runs. `failed_unrecorded`: cells that failed
     before creating a run (their FAILED.txt is in the sweep folder). A running cell already past what the
-    fit gives it counts as ending now, so a slow machine's ETA grows before its first cell ends."""
+    fit gives it counts as ending now, so a slow machine's ETA grows before its first cell ends. While the
+    launcher runs, a worker with no RUNNING cell is starting the next one (its run not yet made: config, data,
+    model), counted as starting, not waiting. `stopped`: the launching process is gone, so no ETA and nothing
+    starting."""
     now = time.time() if now is None else now
-    counts = {k: 0 for k in ("finished", "failed", "killed", "skipped", "running", "waiting")}
+    counts = {k: 0 for k in ("finished", "failed", "killed", "skipped", "running", "starting", "waiting")}
     for cell in cells:
         counts[cell.status.lower()] += 1
     counts["failed"] += failed_unrecorded
@@ -211,6 +225,7 @@ def snapshot(plan: Plan, cells: Sequence[Cell], failed_unrecorded: int = 0, now:
     mean_s = (plan.expected_s / plan.cells) if plan.cells and plan.expected_s else 0.0
     done_s = sum(c.work_s for c in cells if c.status != "RUNNING") + failed_unrecorded * mean_s
     done_s += sum(c.work_s * (1 - left / max(rates.seconds(c), 1e-9)) for c, left in zip(running, running_left))
+    left_s = sum(c.work_s * left / max(rates.seconds(c), 1e-9) for c, left in zip(running, running_left))
     total, total_s, eta = plan.cells, plan.expected_s, None
     if total is not None:
         counts["waiting"] = max(0, total - len(cells) - failed_unrecorded)
@@ -219,28 +234,37 @@ def snapshot(plan: Plan, cells: Sequence[Cell], failed_unrecorded: int = 0, now:
         later = cells[at_once:]  # (by start) after the first workers' first cells: does each get a new worker?
         each = rates.fresh_s * (sum(c.fresh for c in later) / len(later) if later else 0.0) + GAP_S
         if plan.costs is not None and len(plan.costs) == plan.cells:  # the waiting cells, in launch order
-            waiting = [rates.per * e + rates.graph_s * g + each for e, g in plan.costs[plan.cells - counts["waiting"]:]]
+            left_costs = plan.costs[plan.cells - counts["waiting"]:]
+            waiting = [rates.per * e + rates.graph_s * g + each for e, g in left_costs]
+            left_s += sum(e + g * GRAPH_S for e, g in left_costs)
         else:  # the plan's work less what was seen, shared out evenly
             graphs_left = max(0, plan.graphs - sum(c.new_graphs for c in cells))
             waiting_s = max(0.0, total_s - plan.graphs * GRAPH_S - sum(c.expected_s for c in cells)
                             - failed_unrecorded * mean_s)
             real = rates.per * waiting_s + rates.graph_s * graphs_left + each * counts["waiting"]
+            left_s += waiting_s + graphs_left * GRAPH_S if counts["waiting"] else 0.0
             waiting = [real / counts["waiting"]] * counts["waiting"] if counts["waiting"] else []
-        eta = finish(running_left, waiting, at_once)
+        eta = None if stopped else finish(running_left, waiting, at_once)
+    if not stopped and plan.ended is None and plan.cells_at_once:  # the launcher's free workers: starting a cell
+        counts["starting"] = min(counts["waiting"], max(0, plan.cells_at_once - len(running)))
+        counts["waiting"] -= counts["starting"]
     elapsed = None if plan.started is None else max(0.0, (plan.ended or now) - plan.started)
-    return Snapshot(counts, total, done_s, total_s, elapsed, eta, 1 / rates.per, rates.graph_s)
+    return Snapshot(counts, total, done_s, total_s, elapsed, eta, 1 / rates.per, rates.graph_s,
+                    None if total_s is None else left_s, stopped)
 
 
 def summary_line(s: Snapshot, work: bool = True) -> str:
-    """'23/60 cells: 20 finished, 1 failed, 2 skipped, 2 running, 35 waiting; 41% of the work; elapsed 24m10s, ETA 35m'."""
+    """'23/60 cells: 20 finished, 1 failed, 2 skipped, 2 running, 35 waiting; 41% of the work; elapsed 24m10s, ETA 35m';
+    'running' gives way to 'starting' while workers start their cells and none runs yet; a stopped sweep ends
+    with 'stopped' where the ETA would be."""
     c = s.counts
     done = c["finished"] + c["failed"] + c["killed"] + c["skipped"]
-    parts = [f"{c[k]} {k}" for k in ("finished", "failed", "killed", "skipped", "running", "waiting")
-             if c[k] or k in ("finished", "running")]
+    parts = [f"{c[k]} {k}" for k in ("finished", "failed", "killed", "skipped", "running", "starting", "waiting")
+             if c[k] or k == "finished" or (k == "running" and not c["starting"])]
     line = f"{done}/{s.total if s.total is not None else '?'} cells: {', '.join(parts)}"
-    if s.total_s and work:
-        line += f"; {100 * s.done_s / s.total_s:.0f}% of the work"
-    return line + f"; elapsed {duration(s.elapsed_s)}, ETA {duration(s.eta_s)}"
+    if s.share is not None and work:
+        line += f"; {100 * s.share:.0f}% of the work"
+    return line + f"; elapsed {duration(s.elapsed_s)}, " + ("stopped" if s.stopped else f"ETA {duration(s.eta_s)}")
 
 
 # --- reading the store ----------------------------------------------------------------------------------
@@ -386,6 +410,8 @@ class Live:
         self.most_running = max(self.most_running, running)
         snap = snapshot(self.plan, cells, max(0, markers - recorded_failures), now, self.most_running)
         if self.tqdm is not None:
+            if snap.left_s is not None:  # the work done and left (a resume's skipped cells: done)
+                self.tqdm.total = max(1, round(snap.done_s + snap.left_s))
             self.tqdm.n = min(round(snap.done_s), self.tqdm.total)
             self.tqdm.set_description_str(summary_line(snap, work=False))  # the bar shows the work
         for cell in sorted((c for c in cells if c.status != "RUNNING" and c.name not in self.seen),
@@ -456,6 +482,20 @@ def search_lines(runs: Sequence[Run], sweep_id: str, now: float) -> list[str] | 
     return lines
 
 
+RESUME = ("  stopped: the process that launched it is gone; run the same command again to resume it "
+          "(its FINISHED cells are skipped, docs/reliability.md#resume)")
+
+
+def sweep_stopped(plan_status: str, plan_heartbeat_age_s: float, cells: Sequence[Cell], stale_after_s: float) -> bool:
+    """Pure: a grid sweep whose launching process is gone, from its plan run's status (KILLED on Ctrl-C or by the
+    stale-run marking, FAILED) or, still RUNNING, its heartbeat (beaten every minute while it shows progress)
+    older than `stale_after_s` with no cell running with a younger one. Nothing more of it runs: no ETA."""
+    if plan_status in ("KILLED", "FAILED"):
+        return True
+    alive = [c for c in cells if c.status == "RUNNING" and (c.heartbeat_age_s or 0.0) <= stale_after_s]
+    return plan_status == "RUNNING" and plan_heartbeat_age_s > stale_after_s and not alive
+
+
 def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_after_s: float = 3600,
                 now: float | None = None) -> tuple[str, bool]:
     """The sweep's status block, and whether it is still going (its plan run RUNNING; a search: a trial's run)."""
@@ -467,17 +507,20 @@ def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_a
     plan, cells = plan_of(plan_run), cells_of(client, runs, sweep_id, now)
     if plan.started is None and cells:  # no plan recorded: the sweep started with its first cell
         plan = Plan(None, None, None, min(now - c.elapsed_s for c in cells))
-    snap = snapshot(plan, cells, now=now)
+    stopped = plan_run is not None and sweep_stopped(plan_run.info.status, now - recorded_process(plan_run)[2], cells,
+                                                     stale_after_s)
+    snap = snapshot(plan, cells, now=now, stopped=stopped)
     search = None if plan_run is not None else search_lines(runs, sweep_id, now)
     state = (f" ({plan_run.info.status})" if plan_run is not None else " (Optuna search)" if search is not None
              else " (no plan recorded: cells so far)")
-    lines = [f"sweep {sweep_id}{state}", *(search or ["  " + summary_line(snap)]), *running_lines(cells, stale_after_s)]
+    lines = [f"sweep {sweep_id}{state}", *(search or ["  " + summary_line(snap)]), *([RESUME] if stopped else []),
+             *running_lines(cells, stale_after_s)]
     ended = ("FAILED",) if search is not None else ("FAILED", "KILLED")  # a search's KILLED: pruned, counted above
     for c in sorted((c for c in cells if c.status in ended), key=lambda c: c.name):
         lines.append(f"  {c.name:<20} {c.status} after step {c.step}/{c.steps}")
     if search is not None:
         return "\n".join(lines), any(c.status == "RUNNING" for c in cells)
-    return "\n".join(lines), plan_run is not None and plan_run.info.status == "RUNNING"
+    return "\n".join(lines), plan_run is not None and plan_run.info.status == "RUNNING" and not stopped
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import progress, tracking
+from gaexp.hooks import EvalPoint, Progress
 from gaexp.progress import Cell, Plan
 from hydra_plugins.gaexp_optuna_sweeper import tally
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
@@ -72,7 +74,9 @@ def test_snapshot_counts_every_state_and_the_work_done():
     s = progress.snapshot(plan, cells, failed_unrecorded=1, now=1300)
     rates = progress.fit_rates([(200, 0, 0, 100)])  # only a FINISHED cell says how fast cells run
     assert rates.per == pytest.approx(0.5, rel=0.01) and s.speed == pytest.approx(1 / rates.per)
-    assert s.counts == {"finished": 1, "failed": 2, "killed": 1, "skipped": 1, "running": 1, "waiting": 2}
+    # of the 2 waiting cells one is starting: the launcher runs 2 at once and 1 runs
+    assert s.counts == {"finished": 1, "failed": 2, "killed": 1, "skipped": 1, "running": 1, "starting": 1,
+                        "waiting": 1}
     # done: 200 + 100 + 100 + 100 (ended), 100 (the failure without a run: the mean cell), and the running
     # cell's part: 20 s of its 100 * per
     assert s.done_s == pytest.approx(600 + 100 * 20 / (100 * rates.per))
@@ -83,7 +87,8 @@ def test_snapshot_counts_every_state_and_the_work_done():
     each = (100 * rates.per + 2 * progress.GAP_S) / 2
     assert 100 * rates.per - 20 > each and s.eta_s == pytest.approx(2 * each)
     line = progress.summary_line(s)
-    assert line.startswith("5/8 cells: 1 finished, 2 failed, 1 killed, 1 skipped, 1 running, 2 waiting; 80% of the work")
+    assert line.startswith("5/8 cells: 1 finished, 2 failed, 1 killed, 1 skipped, 1 running, 1 starting, 1 waiting; "
+                           "80% of the work")
     assert line.endswith(f"elapsed 5m00s, ETA {progress.duration(s.eta_s)}")
 
 
@@ -125,6 +130,58 @@ def test_without_a_plan_it_counts_what_it_sees_and_gives_no_eta():
     s = progress.snapshot(Plan(None, None, None), [cell("a", "FINISHED", 100, 80), cell("b", "RUNNING", 100, 5)])
     assert s.total is None and s.eta_s is None and s.counts["waiting"] == 0
     assert progress.summary_line(s) == "1/? cells: 1 finished, 1 running; elapsed ?, ETA ?"
+
+
+def test_a_resumed_sweep_counts_its_skipped_cells_as_done_work_and_reads_100_when_every_cell_ended():
+    """The plan costs every cell, the first one's evaluation graph too; on resume 2 cells are SKIPPED (that graph
+    compiled by their earlier sweep: no cell of this one compiles it, nor is a skipped cell credited with it)."""
+    costs = ((50.0, 1.0), (50.0, 0.0), (50.0, 0.0), (50.0, 0.0))
+    plan = Plan(cells=4, expected_s=200 + progress.GRAPH_S, cells_at_once=1, started=0, graphs=1, costs=costs)
+    skipped = [cell("a", "SKIPPED", 50, 0), cell("b", "SKIPPED", 50, 0)]
+    half = progress.snapshot(plan, skipped, now=10)
+    assert half.share == pytest.approx(0.5)  # the 2 skipped cells' work done, the last 2 cells' left
+    ended = progress.snapshot(dataclasses.replace(plan, ended=200),
+                              [*skipped, cell("c", "FINISHED", 50, 60), cell("d", "FINISHED", 50, 60)], now=200)
+    assert ended.done_s < ended.total_s  # the plan's graph was never compiled: work done by the plan, 96%
+    assert ended.share == 1.0
+    assert "4/4 cells: 2 finished, 2 skipped, 0 running; 100% of the work" in progress.summary_line(ended)
+
+
+def test_free_workers_of_a_running_launcher_are_starting_cells_not_0_running():
+    """The first seconds of a sweep: 2 cells at once, neither has made its run yet."""
+    plan = Plan(cells=5, expected_s=500, cells_at_once=2, started=0)
+    s = progress.snapshot(plan, [], now=5)
+    assert (s.counts["running"], s.counts["starting"], s.counts["waiting"]) == (0, 2, 3)
+    assert progress.summary_line(s).startswith("0/5 cells: 0 finished, 2 starting, 3 waiting; 0% of the work")
+    one = progress.snapshot(plan, [cell("a", "RUNNING", 100, 3)], now=5)
+    assert (one.counts["running"], one.counts["starting"], one.counts["waiting"]) == (1, 1, 3)
+    assert s.eta_s == pytest.approx(3 * (100 + progress.GAP_S))  # all 5 cells still to run, 2 at a time
+    # the launcher returned or is gone: nothing is starting
+    assert progress.snapshot(dataclasses.replace(plan, ended=5), [], now=5).counts["starting"] == 0
+    assert progress.snapshot(plan, [], now=5, stopped=True).counts["starting"] == 0
+
+
+def test_a_stopped_sweep_has_no_eta():
+    plan = Plan(cells=3, expected_s=300, cells_at_once=1, started=0, ended=150)
+    s = progress.snapshot(plan, [cell("a", "FINISHED", 100, 100), cell("b", "KILLED", 100, 40)], now=400,
+                          stopped=True)
+    assert s.eta_s is None and s.stopped
+    assert progress.summary_line(s).endswith("; elapsed 2m30s, stopped")
+
+
+@pytest.mark.parametrize("status, plan_age, cell_age, stopped", [
+    ("KILLED", 10, None, True),       # Ctrl-C, or marked stale by a later command
+    ("FAILED", 10, None, True),
+    ("RUNNING", 7200, 7200, True),    # killed outright: no heartbeat from it nor from its one RUNNING cell
+    ("RUNNING", 7200, None, True),    # nor any cell running
+    ("RUNNING", 7200, 30, False),     # a cell still beats: the launcher may only be quiet
+    ("RUNNING", 30, None, False),     # between two cells
+    ("FINISHED", 7200, None, False)])
+def test_a_sweep_is_stopped_when_its_plan_run_was_killed_or_nothing_of_it_beats(status, plan_age, cell_age, stopped):
+    cells = [cell("a", "FINISHED", 100, 100)]
+    if cell_age is not None:
+        cells.append(dataclasses.replace(cell("b", "RUNNING", 100, 50), heartbeat_age_s=cell_age))
+    assert progress.sweep_stopped(status, plan_age, cells, stale_after_s=3600) is stopped
 
 
 def test_graph_keys_are_shared_by_the_cells_that_share_a_graph():
@@ -202,7 +259,7 @@ def test_status_shows_the_running_cell_with_its_step_and_accuracy_and_the_killed
     progress.main(["--tracking-uri", uri])
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"sweep {SWEEP} (RUNNING)"
-    assert out[1].startswith("  2/4 cells: 1 finished, 1 killed, 1 running, 1 waiting; ")
+    assert out[1].startswith("  2/4 cells: 1 finished, 1 killed, 1 running, 1 starting; ")  # 2 at once, 1 runs
     assert "ETA" in out[1] and "ETA ?" not in out[1]
     assert out[2].split()[:6] == ["in-bs1a16-s1", "step", "600/3600", "valid_acc", "0.9500", "running"]
     assert out[3].split() == ["gn4-bs1a16-s1", "KILLED", "after", "step", "300/3600"]
@@ -215,6 +272,19 @@ def test_status_flags_a_running_cell_whose_heartbeat_stopped(store, capsys):
     progress.main(["--tracking-uri", uri, "--stale-after-s", "3600"])
     line = next(l for l in capsys.readouterr().out.splitlines() if "none-bs1a16-s1" in l)
     assert "no heartbeat for 2h00m" in line
+
+
+def test_status_of_a_killed_sweep_says_it_stopped_and_how_to_resume_with_no_eta(store, capsys):
+    uri, client, experiment_id, plan_id = store
+    client.set_terminated(plan_id, "KILLED")  # Ctrl-C in the launching terminal
+    client.set_terminated(client.search_runs([experiment_id], "attributes.run_name = 'in-bs1a16-s1'")[0].info.run_id,
+                          "KILLED")
+    text, going = progress.status_text(client, experiment_id, SWEEP)
+    lines = text.splitlines()
+    assert lines[0] == f"sweep {SWEEP} (KILLED)" and not going
+    assert lines[1].startswith("  3/4 cells: 1 finished, 2 killed, 0 running, 1 waiting; ")  # nothing starting
+    assert lines[1].endswith(", stopped") and "ETA" not in text
+    assert lines[2] == progress.RESUME and "run the same command again" in lines[2]
 
 
 def test_status_without_a_plan_run_counts_the_cells_of_the_newest_sweep(tmp_path, capsys):
@@ -261,7 +331,7 @@ def test_live_prints_a_line_per_ended_cell_with_the_totals_and_beats_for_the_pla
         pass  # entering and leaving polls once: the state so far
     lines = out.getvalue().splitlines()
     assert [l.split()[:2] for l in lines] == [["bn-bs1a16-s1", "FINISHED"], ["gn4-bs1a16-s1", "KILLED"]]
-    assert lines[0].split(" | ")[1].startswith("2/4 cells: 1 finished, 1 killed, 1 running, 1 waiting")
+    assert lines[0].split(" | ")[1].startswith("2/4 cells: 1 finished, 1 killed, 1 running, 1 starting")
     assert "valid_acc 0.9800" in lines[0]
     (tmp_path / "norm=none").mkdir()
     (tmp_path / "norm=none" / "FAILED.txt").write_text("ValueError: before its run")  # failed before a run
@@ -284,8 +354,25 @@ def test_live_on_a_terminal_draws_one_bar_over_the_work(store, tmp_path, capsys)
     # one runs on a free worker at the fitted speed
     last = err.err.rstrip().split("\r")[-1]
     assert last.startswith(" 75% |")
-    assert last.endswith("| 2/4 cells: 1 finished, 1 killed, 1 running, 1 waiting; elapsed 0m00s, "
+    assert last.endswith("| 2/4 cells: 1 finished, 1 killed, 1 running, 1 starting; elapsed 0m00s, "
                          f"ETA {progress.duration(one_waiting_cell_s())}")
+
+
+def test_live_bar_of_a_resume_that_skipped_every_cell_is_full(store, tmp_path, capsys):
+    """The plan counts the graph the cell compiled in its first sweep; the resume compiles nothing."""
+    uri, client, experiment_id, _ = store
+    resume = "2026-12-02_12-00-00"
+    expected = progress.expected_seconds(1, 16, **PROTOCOL)
+    plan_id = client.create_run(experiment_id, run_name=f"sweep-{resume}", tags={
+        "gaexp.role": progress.ROLE, "sweep_id": resume, "gaexp.cells": "1", "gaexp.graphs": "1",
+        "gaexp.expected_s": f"{expected + progress.GRAPH_S:.3f}", "gaexp.cells_at_once": "1"}).info.run_id
+    finished = client.search_runs([experiment_id], "attributes.run_name = 'bn-bs1a16-s1'")[0]
+    tracking.add_to_sweep(client, finished, resume)
+    plan = progress.plan_of(client.get_run(plan_id))
+    with progress.Live(uri, experiment_id, resume, plan, tmp_path, plan_id, every=60, bar=True):
+        pass
+    last = capsys.readouterr().err.rstrip().split("\r")[-1]
+    assert last.startswith("100% |") and "1/1 cells: 0 finished, 1 skipped" in last
 
 
 def test_live_waits_out_a_store_it_cannot_read(tmp_path):
@@ -385,3 +472,19 @@ def test_latest_shows_the_newest_sweep_only_while_active_shows_every_running_one
              tags={"optuna.study": "t", "optuna.trial": 0})
     assert progress.sweeps_to_show(client, experiment_id, "latest") == [later]
     assert progress.sweeps_to_show(client, experiment_id, "active") == [SWEEP, later]
+
+
+# --- a single run's bar (hooks.Progress) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("compiling_eval", [True, False])
+def test_a_runs_bar_says_it_compiles_its_first_evaluation_and_no_more_after(compiling_eval, capsys):
+    bar = Progress(total=10, desc="gn4-bs4a4-s1", show=True, compiling_eval=compiling_eval)
+    bar.after_step(1, None)
+    bar.before_eval(None, 5)
+    assert (Progress.COMPILING in str(bar.bar)) is compiling_eval  # the line tqdm draws
+    bar.after_eval(EvalPoint(5, 0.25, 0.875, 123.4))
+    assert Progress.COMPILING not in str(bar.bar) and "valid_acc=0.8750" in str(bar.bar)
+    bar.before_eval(None, 10)  # compiled already: the second evaluation is quick
+    assert Progress.COMPILING not in str(bar.bar)
+    bar.close()
+    assert (Progress.COMPILING in capsys.readouterr().err) is compiling_eval  # drawn on the terminal
