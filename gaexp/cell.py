@@ -259,7 +259,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                 tracking.log_masked_artifacts(client, run_id, hydra_dir, "hydra")
             hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
                      *norms.declared(c.norm).hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *reporting,
-                     Progress(c.train.num_iterations, c.run_name, bar),
+                     Progress(c.train.num_iterations, c.run_name, bar, compiling_eval="eval" in compiled),
                      *([StopWhenSweepGone(watch)] if (watch := liveness.sweep_watch()) is not None else [])]
             tic = time.perf_counter()
             try:
