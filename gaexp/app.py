@@ -6,6 +6,8 @@ launcher runs at once its launch config says (conf/launch/), so the app names no
 from __future__ import annotations
 
 import logging
+import shlex
+import signal
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -84,10 +86,48 @@ def cli(argv: Sequence[str] | None = None) -> None:
     targets.import_from_cwd()
     overrides = hydra_overrides(sys.argv[1:] if argv is None else argv)
     searched = any(o.lstrip("+").startswith("hydra.searchpath") for o in overrides)  # files this cannot see
-    problem = None if searched else unknown_choice(overrides) or composition_problem(overrides)
+    problem = None if searched else (unknown_choice(overrides) or hydra_sweep_problem(overrides)
+                                     or composition_problem(overrides))
     if problem:
         raise SystemExit(redact.mask(f"error: {problem}"))
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C outside a grid sweep's launches (which say how many cells finished)
+        print("interrupted", file=sys.stderr)  # the runs it started are KILLED (tracking.tracked_run)
+        raise SystemExit(128 + signal.SIGINT) from None  # 130, as a shell reports a command Ctrl-C stopped
+
+
+def hydra_sweep_problem(overrides: Sequence[str]) -> str | None:
+    """Hydra sweeps none of its own keys (`hydra.sweeper.grid.norm=bn,gn4` unquoted) and its refusal said no
+    more. A sweeper's own list of values (gaexp_optuna's `grid`) is one string, quoted for Hydra and again for
+    the shell: the line gives that override as it composes (a `+` where the key is new to its dict)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 - composition_problem says what does not parse
+        return None
+    for i, (text, o) in enumerate(zip(overrides, parsed)):
+        if not (o.is_sweep_override() and o.key_or_group.startswith("hydra.")):
+            continue
+        key, _, value = text.partition("=")
+        rest = [*overrides[:i], *overrides[i + 1:]]
+        quoted = f"{key}='{value}'"
+        try:
+            problem = composition_problem([*rest, quoted])
+            if problem and "add it with +" in problem:  # a key new to its dict
+                quoted = f"+{quoted}"
+                problem = composition_problem([*rest, quoted])
+        except Exception:  # noqa: BLE001 - what composing the override as given says, below
+            return None
+        if problem and "no key" in problem:  # hydra.sweeper.grid of a sweeper that has none
+            return problem
+        if problem:  # hydra.launcher.n_jobs=1,2: no string
+            return f"{text}: Hydra sweeps none of its own settings; run one command per value"
+        shell = f'"{quoted}"' if not set(quoted) & set('"$`\\!') else shlex.quote(quoted)
+        return (f"{text}: Hydra sweeps none of its own settings; the sweeper takes this list as one string, "
+                f"quoted: {shell} (docs/tuning.md)")
+    return None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -106,12 +107,70 @@ class PrepareCallback(Callback):
         # a password typed on the command line or in a study file: the files Hydra and the jobs write are the owner's
         redact.private_files(" ".join(sys.argv), OmegaConf.to_yaml(config))
         os.environ[liveness.SWEEP_PROCESS] = liveness.this_process()  # the workers it starts stop when it is gone
+        quiet_libraries(is_search(config), Path(config.paths.outputs))
         try:
             prepare(config)
         except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
             raise SystemExit(redact.mask(f"error: {e}")) from None
         for warning in launcher_warnings(config):
             log.warning(warning)
+
+
+# What libraries print that nobody acts on: INFO lines (MLflow making a new store's tables, alembic's migration
+# steps, matplotlib building its font cache), the launchers' lines (joblib's Parallel(...) settings; a search's
+# jobs, one line of overrides and storage each per batch), a warning printed after Ctrl-C (the semaphores its
+# resource tracker then cleans up). Warnings and errors of the same loggers still show.
+QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic", "matplotlib.font_manager")
+LAUNCHER_LOGGERS = ("hydra._internal.core_plugins.basic_launcher", "hydra_plugins.hydra_joblib_launcher._core",
+                    "hydra_plugins.hydra_submitit_launcher.submitit_launcher", "hydra_plugins.hydra_ray_launcher._core",
+                    "hydra_plugins.gaexp_grid_sweeper.submitit_launcher")
+PARALLEL_LINE, JOB_LINE = r"Joblib\.Parallel\(", r"\t#\d+ : "  # hydra_joblib_launcher's, every launcher's
+QUIET_WARNINGS = "ignore:resource_tracker:UserWarning"  # a PYTHONWARNINGS entry, for the processes it starts
+
+
+class Unprinted(logging.Filter):
+    """Drops the records whose message starts with `pattern` (a regular expression)."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+def quiet_libraries(search: bool, outputs: Path) -> None:
+    """Before anything runs: the lines above (a search's job lines too) unprinted, in this process and the ones
+    it starts; matplotlib's folders under `outputs` when its own are not writable (a read-only HOME), where it
+    would otherwise rebuild its font cache in a new temporary folder in every process and say so."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    pattern = f"{PARALLEL_LINE}|{JOB_LINE}" if search else PARALLEL_LINE
+    for name in LAUNCHER_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, Unprinted)]:  # a second command in this process
+            logger.removeFilter(old)
+        logger.addFilter(Unprinted(pattern))
+    given = os.environ.get("PYTHONWARNINGS", "")
+    if QUIET_WARNINGS not in given.split(","):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [given, QUIET_WARNINGS]))
+    if "MPLCONFIGDIR" not in os.environ and not all(writable(d) for d in matplotlib_dirs()):
+        (outputs / ".matplotlib").mkdir(parents=True, exist_ok=True)
+        os.environ["MPLCONFIGDIR"] = str(outputs / ".matplotlib")
+
+
+def matplotlib_dirs() -> list[Path]:
+    """The config and cache folders matplotlib uses without MPLCONFIGDIR (XDG's, else under HOME)."""
+    home = Path.home()
+    return [Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "matplotlib",
+            Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "matplotlib"]
+
+
+def writable(folder: Path) -> bool:
+    """Whether `folder` is, or can be made, a folder this process writes in (as matplotlib asks), made nowhere."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder.is_dir() and os.access(folder, os.W_OK)
 
 
 def launcher_warnings(config: DictConfig) -> list[str]:

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
@@ -72,6 +72,17 @@ def ui_command(uri: str, host: str, port: int) -> list[str]:
     return [*mlflow, "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
 
 
+# The deprecation of a Starlette module MLflow's server imports, printed by each of its workers (4 by default):
+# nothing its user can act on. A PYTHONWARNINGS entry: the processes `mlflow ui` starts inherit it.
+QUIET_WARNINGS = "ignore:starlette.middleware.wsgi is deprecated:UserWarning"  # StarletteDeprecationWarning's base
+
+
+def ui_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with QUIET_WARNINGS added to the warning filters it already gives."""
+    given = environ.get("PYTHONWARNINGS", "")
+    return {**environ, "PYTHONWARNINGS": ",".join(filter(None, [given, QUIET_WARNINGS]))}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gaexp.ui", description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", default=cli.default_store(), help=f"{STORE_FORM} (default: %(default)s)")
@@ -105,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"no runs yet in {args.store}; the UI is at {url}")
     sys.stdout.flush()  # exec replaces the process: print what is buffered first
     command = ui_command(args.store, args.host, port)
-    os.execv(command[0], command)
+    os.execve(command[0], command, ui_environment(os.environ))
 
 
 if __name__ == "__main__":

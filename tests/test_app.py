@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +22,13 @@ import optuna
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from gaexp import analysis, batches, cell, data, progress
+from gaexp import analysis, app, batches, callbacks, cell, data, progress
 from gaexp import train as train_module
+from gaexp.app import hydra_sweep_problem
 from gaexp.callbacks import prepare, report_command
 from gaexp.cell import run_cell, threads_for
+from gaexp.config import composition_problem
+from hydra_plugins.gaexp_optuna_sweeper._impl import split_arguments
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 from tests.conftest import TINY
 from tests.test_batched import USER_NORM, USER_NORM_FILE
@@ -518,4 +526,176 @@ def test_printing_a_config_or_refusing_bad_input_loads_neither_torch_nor_mlflow(
     assert {"hydra", "gaexp", "omegaconf"} <= loaded  # the parse reads the modules it imported
     assert not loaded & {"torch", "mlflow", "pandas", "optuna"}, sorted(loaded & {"torch", "mlflow", "pandas", "optuna"})
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_hydra_key_swept_unquoted_is_told_the_quoting_that_runs(tmp_path, compose):
+    """`hydra.sweeper.grid.norm=bn,gn4` unquoted: Hydra sweeps none of its own keys and said only that. The line
+    gives the override as docs/tuning.md writes it, `+` and quotes included; split as a shell splits it, it
+    composes to the grid the Optuna sweeper reads as one study per norm."""
+    search = ["hydra/sweeper=gaexp_optuna", "hydra.sweeper.direction=maximize"]
+    done = subprocess.run([sys.executable, "-m", "gaexp", "-m", *search, "hydra.sweeper.grid.norm=bn,gn4",
+                           f"paths.outputs={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+    assert done.stderr.startswith("error: hydra.sweeper.grid.norm=bn,gn4: Hydra sweeps none of its own settings; ")
+    printed = re.search(r"quoted: (.*) \(docs/tuning.md\)$", done.stderr.strip()).group(1)
+    assert printed == "\"+hydra.sweeper.grid.norm='bn,gn4'\""  # as docs/tuning.md has it
+    [override] = shlex.split(printed)
+    assert hydra_sweep_problem([*search, override]) is None and composition_problem([*search, override]) is None
+    grid = compose(*search, override, hydra=True).hydra.sweeper.grid
+    assert split_arguments({}, dict(grid), [])[2] == [["norm=bn", "norm=gn4"]]  # two studies
+    # where the key is there already (the tune_lr study file's grid), no +; a setting that is no list: no quoting
+    assert hydra_sweep_problem(["+experiment=tune_lr", "hydra.sweeper.grid.norm=bn,gn4"]).endswith(
+        "quoted: \"hydra.sweeper.grid.norm='bn,gn4'\" (docs/tuning.md)")
+    assert hydra_sweep_problem(["launch=joblib", "hydra.launcher.n_jobs=1,2"]) == (
+        "hydra.launcher.n_jobs=1,2: Hydra sweeps none of its own settings; run one command per value")
+
+
+def test_ctrl_c_outside_a_grid_sweeps_launches_is_one_line_and_status_130(tmp_path, monkeypatch):
+    """A single run, a search, a sweep still planning: `interrupted`, no traceback, the status a shell gives."""
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # put back after: cli masks the terminal's streams
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app, "main", ctrl_c)
+    with pytest.raises(SystemExit) as stop:
+        app.cli([*TINY, f"paths.outputs={tmp_path}"])
+    assert stop.value.code == 130 and err.getvalue() == "interrupted\n"
+
+
+def interrupt_when(proc: subprocess.Popen, reached, timeout: float = 300) -> None:
+    """Ctrl-C as a terminal sends it (SIGINT to `proc`'s process group, started with start_new_session=True) once
+    `reached()`: the group frozen (SIGSTOP) while it is asked again, as conftest.kill_when does."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if reached():
+            os.killpg(proc.pid, signal.SIGSTOP)
+            if reached():
+                os.killpg(proc.pid, signal.SIGINT)  # delivered as the group resumes
+                os.killpg(proc.pid, signal.SIGCONT)
+                return
+            os.killpg(proc.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    raise AssertionError("the command ended, or ran on, before the state to interrupt it in was reached")
+
+
+def cell_runs(uri: str) -> list[tuple[str, str, str]]:
+    """(name, status, run id) of every training run in the store, oldest first."""
+    client = MlflowClient(uri)
+    runs = [r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+            if analysis.is_training_run(r)]
+    return [(r.info.run_name, r.info.status, r.info.run_id) for r in sorted(runs, key=lambda r: r.info.start_time)]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, gaexp_argv):
+    """The brief's sweep at a small budget, 2 cells one at a time, interrupted (Ctrl-C) once the first FINISHED
+    and the second is RUNNING, then the same command again. HOME is a file, as a read-only HOME is to
+    matplotlib. Returns the command, its store and, for each of the two commands, (exit status, stdout, stderr)."""
+    out = tmp_path_factory.mktemp("interrupted")
+    (out / "home").write_text("")
+    env = {**os.environ, "HOME": str(out / "home")}
+    argv = gaexp_argv(out, "norm=bn,gn4", "regime=bs4a4", "train.num_iterations=100", "train.eval_period=100",
+                      "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=1", "hydra.sweeper.order=given")
+    uri = f"sqlite:///{out}/mlflow.db"
+
+    def second_cell_running() -> bool:
+        if not list(out.glob("multirun/*/multirun.yaml")):  # the store is made: the sweeper planned
+            return False
+        try:
+            return [status for _, status, _ in cell_runs(uri)] == ["FINISHED", "RUNNING"]
+        except Exception:  # noqa: BLE001 - the store locked by the frozen command: asked again
+            return False
+
+    with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(argv, cwd=out, stdout=stdout, stderr=stderr, text=True, env=env,
+                                start_new_session=True)
+        interrupt_when(proc, second_cell_running)
+        proc.wait(timeout=300)
+    first = (proc.returncode, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text())
+    runs = cell_runs(uri)
+    again = subprocess.run(argv, cwd=out, capture_output=True, text=True, timeout=600, env=env)
+    return argv, uri, runs, first, (again.returncode, again.stdout, again.stderr)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_says_in_one_line_how_many_cells_finished_and_the_same_command_resumes(interrupted):
+    argv, uri, runs, (status, _, stderr), (again, again_out, _) = interrupted
+    assert status == 130, stderr[-3000:]  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+    assert stderr.splitlines() == [  # not Hydra's and joblib's traceback of the KeyboardInterrupt
+        "interrupted: 1 of 2 cells finished; rerun the same command to resume, finished cells are skipped: "
+        f"gaexp {shlex.join(argv[3:])}"]
+    assert [(name, status) for name, status, _ in runs][0] == ("bn-bs4a4-s1", "FINISHED")
+    assert again == 0, again_out[-3000:]
+    after = cell_runs(uri)
+    assert [r for r in after if r[1] == "FINISHED"] == [runs[0], (after[-1][0], "FINISHED", after[-1][2])]
+    assert after[-1][0] == "gn4-bs4a4-s1"  # bn's run skipped (the same run), gn4's trained again, to the end
+
+
+@pytest.mark.slow
+def test_a_sweep_prints_none_of_the_libraries_lines_nobody_acts_on(interrupted):
+    """MLflow making the new store's tables, joblib's Parallel(...) settings, matplotlib building its font
+    cache in a temporary folder (HOME unwritable to it) at the report: not printed; the sweep's own lines are."""
+    _, _, _, (_, stdout, stderr), (again, again_out, again_err) = interrupted
+    printed = stdout + stderr + again_out + again_err
+    for line in ("database tables", "alembic", "Parallel(", "fontManager", "Matplotlib created a temporary"):
+        assert line not in printed
+    assert "Launching jobs, sweep output dir : " in stdout and re.search(r"\t#1 : .* norm=gn4 regime=bs4a4 ", stdout)
+    assert "report of sweep " in again_out and again_err == "", again_err[-3000:]
+
+
+def test_joblibs_settings_and_a_searchs_job_lines_are_not_printed_and_the_rest_is(tmp_path, monkeypatch, caplog):
+    """The launcher's lines as quiet_libraries leaves them: joblib's Parallel(...) repr never, each job's
+    overrides (and a search's storage) not in a search, where every batch printed them; its warnings always."""
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)  # restored after, with what quiet_libraries sets
+    monkeypatch.setenv("MPLCONFIGDIR", str(tmp_path))
+    launcher = logging.getLogger("hydra_plugins.hydra_joblib_launcher._core")
+    store = logging.getLogger("mlflow.store.db.utils")
+    level = store.level
+    lines = ["Joblib.Parallel(n_jobs=2,backend=loky) is launching 2 jobs", "Launching jobs, sweep output dir : /x",
+             "\t#0 : train.lr=0.01 optuna.storage='/x/optuna.journal' optuna.study='s' optuna.trial=0"]
+    printed = {}
+    try:
+        for search in (False, True):
+            callbacks.quiet_libraries(search, tmp_path)
+            caplog.clear()
+            with caplog.at_level(logging.INFO):
+                for line in lines:
+                    launcher.info(line)
+                launcher.warning("a launcher's warning")
+                store.info("Creating initial MLflow database tables...")
+                store.warning("a store's warning")
+            printed[search] = [r.getMessage() for r in caplog.records]
+    finally:
+        for f in [f for f in launcher.filters if isinstance(f, callbacks.Unprinted)]:
+            launcher.removeFilter(f)
+        store.setLevel(level)
+    assert printed[False] == [*lines[1:], "a launcher's warning", "a store's warning"]
+    assert printed[True] == [lines[1], "a launcher's warning", "a store's warning"]
+    assert os.environ["PYTHONWARNINGS"] == callbacks.QUIET_WARNINGS  # once, for a second command too
+
+
+@pytest.mark.parametrize("home_is_a_file", [True, False])
+def test_matplotlib_gets_a_folder_under_outputs_only_where_its_own_are_not_writable(home_is_a_file, tmp_path,
+                                                                                     monkeypatch):
+    home = tmp_path / "home"
+    home.write_text("") if home_is_a_file else home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "MPLCONFIGDIR", "PYTHONWARNINGS"):
+        monkeypatch.delenv(name, raising=False)  # restored after, with what quiet_libraries sets
+    try:
+        callbacks.quiet_libraries(False, tmp_path / "out")
+    finally:
+        launcher = logging.getLogger("hydra_plugins.hydra_joblib_launcher._core")
+        for f in [f for f in launcher.filters if isinstance(f, callbacks.Unprinted)]:
+            launcher.removeFilter(f)
+    if home_is_a_file:
+        assert os.environ["MPLCONFIGDIR"] == str(tmp_path / "out" / ".matplotlib")
+        assert (tmp_path / "out" / ".matplotlib").is_dir()
+    else:
+        assert "MPLCONFIGDIR" not in os.environ and not (home / ".config").exists()  # nothing made in HOME
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shlex
+import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
@@ -25,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
 
 log = logging.getLogger(__name__)
+INTERRUPTED = 128 + signal.SIGINT  # 130: the exit status a shell reports for a command Ctrl-C stopped
 
 
 def uncompleted(error: Exception) -> str:
@@ -124,7 +128,7 @@ class GridSweeper(BasicSweeper):
         log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
                  self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
                  progress.duration(plan.expected_s))
-        with self.tracked(plan, sweep_dir):
+        with self.resumable(sweep_dir.name, len(cells)), self.tracked(plan, sweep_dir):
             returns, job_idx = [], 0
             while not self.is_done():
                 batch = self.get_job_batch()
@@ -139,6 +143,34 @@ class GridSweeper(BasicSweeper):
                 job_idx += len(batch)
                 returns.append(results)
             return returns
+
+    @contextmanager
+    def resumable(self, sweep_id: str, total: int) -> Iterator[None]:
+        """Ctrl-C (SIGINT): once the plan run and the cells' runs are KILLED (tracking.tracked_run), one line
+        instead of the launcher's traceback, and exit status 130."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            print(self.interrupted(sweep_id, total), file=sys.stderr, flush=True)
+            raise SystemExit(INTERRUPTED) from None
+
+    def interrupted(self, sweep_id: str, total: int) -> str:
+        """How many of the sweep's cells finished (in the store: the ones it trained and the ones it skipped as
+        FINISHED earlier), and the command that resumes it."""
+        from mlflow.tracking import MlflowClient
+
+        from gaexp import progress, tracking
+        from gaexp.redact import mask
+
+        try:
+            client = MlflowClient(self.config.mlflow.tracking_uri)
+            _, cells = progress.read(client, tracking.experiment_id(client, self.config.mlflow.experiment_name),
+                                     sweep_id)
+            done = f": {sum(c.status in ('FINISHED', 'SKIPPED') for c in cells)} of {total} cells finished"
+        except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a store busy, a second Ctrl-C: the line without it
+            done = ""
+        return mask(f"interrupted{done}; rerun the same command to resume, finished cells are skipped: "
+                    f"gaexp {shlex.join(sys.argv[1:])}")
 
     @contextmanager
     def tracked(self, plan: progress.Plan, sweep_dir: Path) -> Iterator[None]:
