@@ -60,7 +60,7 @@ def prepare(cfg: DictConfig) -> str:
     tracking.check_server(c.mlflow.tracking_uri)
     datasets.fetch(c.data)  # files and their MD5s, a download: ready before any job
     train, _ = datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
-    check_split(c, len(train))  # the batch against the images it is drawn from, whatever the dataset's kind
+    check_split(c, len(train), cfg.accumulate)  # the batch against the images it is drawn from, whatever the kind
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):

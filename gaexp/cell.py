@@ -42,15 +42,16 @@ def training_size(data: DataConfig) -> int | None:
     return data.num_train - data.holdout if data.kind == "idx" and data.num_train is not None else None
 
 
-def check_split(c: Config, size: int) -> None:
+def check_split(c: Config, size: int, setting: str | None = None) -> None:
     """A micro-batch is at most the training split of `size` images (the data order draws each from the rest of
     one permutation of it and the next: a larger one would silently hold fewer), and so are the b*k samples
-    accumulate=batched computes at once."""
+    accumulate=batched computes at once. `setting`: what the command asked, where `c` has auto's choice made
+    before the split's size was known (auto takes the loop for a step beyond the split: `engine.within_split`)."""
     b, k = c.regime.batch_size, c.regime.num_accum
     split = f"the {size:,} training images of data={c.data.dataset}" + (
         f" left after data.holdout={c.data.holdout:,}" if c.data.holdout else "")
     require("regime.batch_size", b, b <= size, f"an integer in [1, {size}]: a micro-batch is at most {split}")
-    if c.accumulate == "batched":
+    if (setting or c.accumulate) == engine.BATCHED:
         require("regime.batch_size*regime.num_accum", b * k, b * k <= size,
                 f"at most {size}: accumulate=batched computes a step's {b} x {k} samples at once, at most {split} "
                 "(accumulate=loop draws them a micro-batch at a time)")
@@ -320,9 +321,9 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
         return returned_value(c, sorted((m.step, m.value) for m in history))
     model, train_data, valid_data = build(c, dataset, device)
     choice = engine.within_split(choice, c.regime.batch_size, c.regime.num_accum, len(train_data))
+    c = dataclasses.replace(c, accumulate=choice.engine)
     if (line := engine.notice(choice, c.run_name)) is not None:
         log.warning("%s", line)
-    c = dataclasses.replace(c, accumulate=choice.engine)
     resolved["accumulate"] = choice.engine  # the engine used: logged, and in the protocol key
     key = tracking.protocol_key(resolved)
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device)

@@ -491,9 +491,10 @@ class Config(Checked):
         """bn-bs1a16-s1; another dataset, model or engine than the first leads:
         fashion_mnist-resnet20-batched-bn-bs1a16-s1 (the names of runs recorded before these were a choice stay
         valid); a trial of an Optuna study adds its number: -t7."""
-        lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),
-                                           (self.model.name, ADDED_DEFAULTS["model.name"]),
-                                           (self.accumulate, ADDED_DEFAULTS["accumulate"])) if value != first]
+        engine = ADDED_DEFAULTS["accumulate"] if self.accumulate == AUTO_ENGINE else self.accumulate  # auto: named
+        lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),  # by its engine, once
+                                           (self.model.name, ADDED_DEFAULTS["model.name"]),  # resolved (gaexp/engine.py)
+                                           (engine, ADDED_DEFAULTS["accumulate"])) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"
         return "".join(f"{v}-" for v in lead) + f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 

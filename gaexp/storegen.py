@@ -56,7 +56,8 @@ def write_first_sweep(client: MlflowClient, experiment_id: str, started_ms: int)
         "gaexp.cells_at_once": "2", "gaexp.graphs": "0"}).info.run_id
     for index, (norm, regime, seed) in enumerate(cells()):
         resolved = OmegaConf.to_container(compose_config([f"norm={norm}", f"regime={regime}", f"seed={seed}",
-                                                          f"train.num_iterations={STEPS}"], hydra=False), resolve=True)
+                                                          f"train.num_iterations={STEPS}", "accumulate=loop"],
+                                                         hydra=False), resolve=True)  # a loop sweep
         c = resolved["regime"]
         key = tracking.protocol_key(resolved)
         tags = {"dataset": resolved["data"]["dataset"], "model": resolved["model"]["name"], "norm": norm,

@@ -156,7 +156,7 @@ def test_composition_refuses_wrong_types_and_unknown_keys(case, compose):
 
 RANGE_ERRORS = {
     "batch size": (["regime.batch_size=0"], r"regime.batch_size=0; valid: an integer >= 1"),
-    "engine": (["accumulate=ghost"], r"^accumulate='ghost'; valid: loop, batched$"),
+    "engine": (["accumulate=ghost"], r"^accumulate='ghost'; valid: loop, batched, auto$"),
     "accumulation": (["regime.num_accum=-2"], r"regime.num_accum=-2; valid: an integer >= 1"),
     "iterations": (["train.num_iterations=0"], r"train.num_iterations=0; valid: an integer >= 1"),
     "eval period": (["train.eval_period=0"], r"train.eval_period=0; valid: an integer >= 1"),
@@ -209,7 +209,8 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     # trial returns
     assert list(excluded) == ["launch", "experiment", *(k for k in runtime if k not in OBJECTIVE_KEYS)]
     assert set(OBJECTIVE_KEYS) == {"analysis.objective", "analysis.window_start"} <= set(runtime)
-    resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu"), resolve=True)
+    # the loop's run (auto's runs are keyed with the engine they resolve to: tests/test_engine.py)
+    resolved = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "accumulate=loop"), resolve=True)
     assert set(protocol_part(resolved)) == {"norm", "regime", "seed", "device", "train"}  # data.holdout=0, cpu: out
     assert protocol_part(resolved)["norm"] == {"name": "gn", "groups": 8}
     held_out = OmegaConf.to_container(compose("norm=gn", "regime=bs4a4", "device=cpu", "data.holdout=10000"),
@@ -243,7 +244,8 @@ def test_protocol_key_is_unchanged_for_runs_recorded_before_the_schema(compose, 
                          "artifact_location": "/x/mlartifacts", "stale_after_s": 3600}}
     now = {**before, "cells_at_once": 2, "analysis": {"window_start": 0}}
     assert tracking.protocol_key(before) == tracking.protocol_key(now) == PROTOCOL_KEY_GN4_BS4A4
-    today = compose("norm=gn4", "regime=bs4a4", "train.num_iterations=40", "train.eval_period=20")
+    today = compose("norm=gn4", "regime=bs4a4", "train.num_iterations=40", "train.eval_period=20",
+                    "accumulate=loop")  # the engine those runs ran (accumulate=auto finds them: engine.keys)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # device=auto on a CPU, as those runs were
     assert tracking.protocol_key(OmegaConf.to_container(today, resolve=True)) == PROTOCOL_KEY_GN4_BS4A4  # data=mnist
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the same command where a GPU is seen

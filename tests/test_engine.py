@@ -148,3 +148,24 @@ def test_an_unknown_engine_is_refused_naming_the_valid_ones(compose, value):
     with pytest.raises(ValueError, match=rf"accumulate='{value}'.*valid: loop, batched, auto"):
         cell.check(compose(*AUTO, f"accumulate={value}"))
 
+
+
+def test_a_step_beyond_a_folders_training_images_trains_with_the_loop_under_auto_and_is_refused_batched(
+        tmp_path, compose, caplog):
+    """A folder's size is known once read: 19 images, 5 held out, 14 to draw from; bs4a4's 16 samples a step."""
+    from tests.test_imagefolder import write_folder
+
+    folder = write_folder(tmp_path / "pets", per_class=6)
+    cell_ = [*AUTO, "norm=gn4", "regime=bs4a4", "train.num_iterations=2", "data=imagefolder", f"data.path={folder}",
+             "data.size=[16,16]", "data.holdout=5", "data.dataset=pets", f"data.root={tmp_path / 'store' / 'data'}"]
+    cfg = prepared(compose(*cell_, outputs=tmp_path / "store"))  # auto: not refused before the run
+    with caplog.at_level(logging.WARNING, logger="gaexp.app"):
+        run_cell(cfg, sweep_id="s1")
+    assert [r.getMessage() for r in caplog.records if "accumulate=auto" in r.getMessage()] == [
+        "pets-gn4-bs4a4-s1: accumulate=auto trains with the loop: a step's 4 x 4 samples are more than the 14 "
+        "training images"]
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
+    assert run.data.tags["accumulate"] == "loop" and run.data.tags["accumulate_fallback"].endswith("14 training images")
+    with pytest.raises(ValueError, match=r"regime.batch_size\*regime.num_accum=16; valid: at most 14: accumulate=batched"):
+        prepared(compose(*cell_, "accumulate=batched", outputs=tmp_path / "store"))
