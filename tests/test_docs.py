@@ -421,7 +421,7 @@ def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, dat
     assert re.match(r"sweep \S+ \(FINISHED\)\n  3/3 cells: 3 finished, 0 running;", capsys.readouterr().out)
 
     execs = []
-    monkeypatch.setattr(ui.os, "execv", lambda path, argv: execs.append(argv))
+    monkeypatch.setattr(ui.os, "execve", lambda path, argv, env: execs.append(argv))
     make_ui = documented("docs/tracking.md", "make ui")
     assert make_ui.argv == ("make", "ui")  # the Makefile's ui target: python -m gaexp.ui --store $(STORE) ...
     ui.main([])
