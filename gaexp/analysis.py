@@ -45,9 +45,10 @@ PROTOCOL = [column(key) for key in PROTOCOL_COLUMNS]  # runs differing in any of
 TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
         "step", "valid_acc", "train_loss"]
 REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
-DATASET, MODEL = "dataset", "model"  # the protocol columns of data.dataset and model.name
-ENGINE = column("accumulate")  # may differ between cells (accumulate=auto's fallback), never within one
-PARTS = {DATASET: "data.dataset", MODEL: "model.name"}  # a report never pools two values of these: one per value
+DATASET, MODEL, PRECISION = "dataset", "model", "precision"  # the protocol columns of data.dataset, model.name
+ENGINE = column("accumulate")  # and precision.name; ENGINE may differ between cells (auto's fallback), never within one
+PARTS = {DATASET: "data.dataset", MODEL: "model.name", PRECISION: "precision.name"}  # a report never pools two values
+# of these: one per value (and runs of several precisions are compared, `compare_precisions`)
 LAUNCH_WINDOW = "launch_window_start"  # a run's analysis.window_start as its command had it (its sweep's report's)
 RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)
 
@@ -128,18 +129,18 @@ def latest_sweep(client: MlflowClient, experiment_ids: list[str]) -> str | None:
     return sweep
 
 
-def store_filter(dataset: str | None, model: str | None) -> str:
-    """The search filter of a dataset and a model (None: any). A value that runs logged before its tag
-    implicitly have (ADDED_DEFAULTS) cannot be searched for: those runs lack the tag; `select` keeps them."""
-    wanted = {DATASET: dataset, MODEL: model}
+def store_filter(dataset: str | None, model: str | None, precision: str | None = None) -> str:
+    """The search filter of a dataset, a model and a precision (None: any). A value that runs logged before its
+    tag implicitly have (ADDED_DEFAULTS) cannot be searched for: those runs lack the tag; `select` keeps them."""
+    wanted = {DATASET: dataset, MODEL: model, PRECISION: precision}
     return " and ".join(f"tags.{part} = '{value}'" for part, value in wanted.items()
                         if value is not None and value != str(ADDED_DEFAULTS[PARTS[part]]))
 
 
 def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", dataset: str | None = None,
-            model: str | None = None) -> Collected:
+            model: str | None = None, precision: str | None = None) -> Collected:
     """Runs and their metric histories; `sweep` is 'latest', 'all', a sweep id or several, comma-separated;
-    `dataset` and `model` keep that dataset's or model's runs only (`select`).
+    `dataset`, `model` and `precision` keep those runs only (`select`).
 
     The store finds the runs (by sweep, dataset and model: search filters, every page) and each run
     carries its curves (tracking.curves_of), so the cost follows the runs asked for, not the store; a run
@@ -157,8 +158,8 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
     ids = [experiment.experiment_id]
     if sweep == "latest":
         sweep = latest_sweep(client, ids) or "latest"
-    runs = grid_runs(client, ids, sweep, store_filter(dataset, model))
-    if not runs and store_filter(dataset, model):  # none of that dataset or model: select says what there is
+    runs = grid_runs(client, ids, sweep, store_filter(dataset, model, precision))
+    if not runs and store_filter(dataset, model, precision):  # none of those: select says what there is
         runs = grid_runs(client, ids, sweep)
     if not runs and sweep in ("latest", "all"):
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
@@ -189,7 +190,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
     data = pd.DataFrame(rows, columns=TIDY)
     collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
                           pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS, LAUNCH_WINDOW]))
-    return select(collected, dataset=dataset, model=model)
+    return select(collected, dataset=dataset, model=model, precision=precision)
 
 
 def grid_runs(client: MlflowClient, experiment_ids: list[str], sweep: str, filter_string: str = "") -> list[Run]:
@@ -223,7 +224,8 @@ def datasets_in(collected: Collected) -> list[str]:
 
 
 def select(collected: Collected, **wanted: str | None) -> Collected:
-    """The runs of one dataset and/or one model (`dataset=`, `model=`; None: all): a report never pools two."""
+    """The runs of one dataset, model or precision (`dataset=`, `model=`, `precision=`; None: all): a report
+    never pools two."""
     for part, value in wanted.items():
         if value is None:
             continue
@@ -359,11 +361,19 @@ class Summary:
     model: str = ""  # and their one model
     window_note: str = ""  # why the table averages other evaluations than design.window_start says, if it does
     engines: str = ""  # which cells ran which engine, where they differ (accumulate=auto fell back for some)
+    precision: str = ""  # and their one precision
 
     @property
     def label(self) -> str:
-        """What the runs trained on, as the table's title says it: mnist, or mnist, resnet20 (another model)."""
-        return self.dataset + ("" if self.model in ("", ADDED_DEFAULTS["model.name"]) else f", {self.model}")
+        return label_of(self.dataset, self.model, self.precision)
+
+
+def label_of(dataset: str, model: str, precision: str = "") -> str:
+    """What runs trained on, as a table's title says it: mnist, or mnist, resnet20 (another model), or mnist, bf16
+    (another precision)."""
+    return dataset + "".join(f", {v}" for v, first in ((model, ADDED_DEFAULTS[PARTS[MODEL]]),
+                                                       (precision, ADDED_DEFAULTS[PARTS[PRECISION]]))
+                             if v not in ("", first))
 
 
 def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
@@ -437,7 +447,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
     return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
-                   data[MODEL].iloc[0], window_note, engines_note(data, norms, regimes))
+                   data[MODEL].iloc[0], window_note, engines_note(data, norms, regimes), data[PRECISION].iloc[0])
 
 
 def engines_note(data: pd.DataFrame, norms: Sequence[str], regimes: Sequence[str]) -> str:
@@ -452,6 +462,88 @@ def engines_note(data: pd.DataFrame, norms: Sequence[str], regimes: Sequence[str
         parts.append(f"{engine}: " + (f"{len(listed)} cells" if len(listed) > 8 else ", ".join(listed)))
     return ("Engines differ between cells: " + "; ".join(parts) + ". Their steps are the same up to rounding: a "
             "comparison across engines holds within seed noise, not bit for bit (docs/study.md).")
+
+
+PRECISION_KEYS = [column(k) for k in PROTOCOL_COLUMNS if k.startswith("precision.")]  # one precision's columns
+
+
+@dataclass
+class Precisions:
+    """Runs of several precisions (one dataset and model) set side by side: per norm, regime and precision, the
+    mean over seeds of each run's windowed mean, and each precision's paired (same seed) difference to fp32 at
+    the same norm and regime with its verdict (the accumulation regimes against their true batch at the same
+    precision are each precision's own table)."""
+
+    table: pd.DataFrame  # norm, regime, precision, mean, std, seeds, then PAIRED_COLUMNS against fp32
+    design: AnalysisConfig
+    label: str  # what the runs trained on (Summary.label)
+    note: str = ""  # precisions not compared, and why
+
+
+def compare_precisions(data: pd.DataFrame, design: AnalysisConfig) -> Precisions:
+    """`Precisions` of the runs in `data`. A precision whose runs differ from fp32's in another protocol key (a
+    reduced budget, say) is shown but not compared: the note says which key."""
+    reference = ADDED_DEFAULTS[PARTS[PRECISION]]
+    others = [k for k in PROTOCOL if k not in [*PRECISION_KEYS, *design.per_cell, ENGINE]]
+    base = data[data[PRECISION] == reference][others].drop_duplicates()
+    window = data[data.step > design.window_start]
+    window = window if not window.empty else data
+    per_run = window.groupby(["norm", "regime", PRECISION, "seed"]).valid_acc.mean()
+    precisions, differs = _order(data[PRECISION], [reference]), {}
+    for precision in precisions[1:] if not base.empty else []:
+        mine = data[data[PRECISION] == precision][others].drop_duplicates()
+        differs[precision] = [k for k in others if set(map(str, mine[k])) != set(map(str, base[k]))]  # nan == nan
+    def shown(values: pd.Series) -> str:
+        return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in sorted(set(values), key=str))
+
+    notes = [f"{precision} not compared with {reference}: " + ", ".join(
+        f"{k} {shown(data[data[PRECISION] == precision][k])} against {shown(base[k])}" for k in keys)
+        for precision, keys in differs.items() if keys]
+    rows = []
+    for norm, regime, precision in itertools.product(_order(data.norm, norm_order(design)),
+                                                     _order(data.regime, design.regime_order), precisions):
+        if (norm, regime, precision) not in per_run.index:
+            continue
+        acc = per_run[norm, regime, precision]
+        row = {"norm": norm, "regime": regime, PRECISION: precision, "mean": float(acc.mean()),
+               "std": float(acc.std(ddof=1)) if len(acc) > 1 else np.nan, "seeds": len(acc)}
+        if precision != reference and not differs.get(precision) and (norm, regime, reference) in per_run.index:
+            row |= paired_verdict(acc, per_run[norm, regime, reference], design.margin / 100)
+        rows.append(row)
+    table = pd.DataFrame(rows, columns=["norm", "regime", PRECISION, "mean", "std", "seeds", *PAIRED_COLUMNS])
+    return Precisions(table, design, label_of(data[DATASET].iloc[0], data[MODEL].iloc[0]), "; ".join(notes))
+
+
+def format_precisions(p: Precisions) -> str:
+    """The precisions side by side as Markdown, a precision column beside norm and regime."""
+    reference, margin = ADDED_DEFAULTS[PARTS[PRECISION]], p.design.margin
+    lines = [f"{p.label}: precisions side by side: mean valid accuracy % over evaluations at step > "
+             f"{p.design.window_start} and its std across seeds; the paired (same seed) difference to {reference} "
+             f"at the same norm and regime, in points with its 95% t-interval, and its verdict at ±{margin:g} points",
+             "", f"| norm | regime | precision | mean % | std | seeds | vs {reference} | verdict (±{margin:g}) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in p.table.itertuples():
+        std = "n/a" if pd.isna(r.std) else f"{100 * r.std:.2f}"
+        if getattr(r, PRECISION) == reference:
+            vs, verdict = "reference", ""
+        elif pd.isna(r.diff):
+            vs, verdict = "–", "–"
+        else:
+            vs = f"{100 * r.diff:+.2f}" + ("" if pd.isna(r.ci_low) else f" [{100 * r.ci_low:+.2f}, {100 * r.ci_high:+.2f}]")
+            verdict = verdict_text(r.verdict, r.seeds_needed)
+        lines.append(f"| {r.norm} | {r.regime} | {getattr(r, PRECISION)} | {100 * r.mean:.2f} | {std} | {r.seeds} | "
+                     f"{vs} | {verdict} |")
+    if p.note:
+        lines += ["", p.note]
+    return "\n".join(lines) + "\n"
+
+
+def export_precisions(p: Precisions, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "precisions.md", out / "precisions.csv"]
+    written[0].write_text(format_precisions(p))
+    p.table.to_csv(written[1], index=False)
+    return written
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -654,12 +746,13 @@ def report_folder(collected: Collected, out: Path | None = None, outputs_root: P
 
 
 def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design: AnalysisConfig,
-                     out: Path) -> list[tuple[dict[str, str], str, Summary | AnalysisError, list[Path]]]:
-    """A sweep's report per dataset and model it ran (a sweep over data=mnist,fashion_mnist has two, one
-    over model=simple,resnet20 too): (the part's dataset and model, its name, summary, files). The files
-    are in `out` when there is one part, in `out/<name>` each otherwise, the name joining the values that
-    vary (fashion_mnist, resnet20, or fashion_mnist-resnet20). A part whose report cannot be made gives
-    its AnalysisError in place of the summary, and the others are still made."""
+                     out: Path) -> list[tuple[dict[str, str], str, Summary | Precisions | AnalysisError, list[Path]]]:
+    """A sweep's report per dataset, model and precision it ran (a sweep over data=mnist,fashion_mnist has two,
+    one over model=simple,resnet20 too): (the part's dataset, model and precision, its name, summary, files). The
+    files are in `out` when there is one part, in `out/<name>` each otherwise, the name joining the values that
+    vary (fashion_mnist, resnet20, or fashion_mnist-bf16). A part whose report cannot be made gives its
+    AnalysisError in place of the summary, and the others are still made. Where a dataset and model ran several
+    precisions, their `Precisions` follow, in `out` (or the folder of that dataset and model)."""
     collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
     values = {part: values_in(collected, part) for part in PARTS}
     made = []
@@ -675,6 +768,15 @@ def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design
             made.append((wanted, name, e, []))
             continue
         made.append((wanted, name, summary, export(part, summary, out / name if name else out)))
+    for dataset, model in itertools.product(values[DATASET], values[MODEL]):
+        both = select(collected, dataset=dataset, model=model) if len(values[PRECISION]) > 1 else None
+        if both is None or both.data[PRECISION].nunique() < 2:
+            continue
+        wanted = {DATASET: dataset, MODEL: model}
+        name = "-".join(v for p, v in wanted.items() if len(values[p]) > 1)
+        compared = compare_precisions(both.data, design)
+        made.append((wanted, f"{name}-precisions" if name else "precisions", compared,
+                     export_precisions(compared, out / name if name else out)))
     return made
 
 
@@ -700,6 +802,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default=None,
                         help="the runs of this model only (model.name: simple, resnet20, ...); needed when the "
                              "sweep ran several (default: all, which must be one)")
+    parser.add_argument("--precision", default=None,
+                        help="the runs of this precision only (precision.name: fp32, bf16, fp16, bf16w, bf16w-acc32); "
+                             "default: all, each precision's own table, then the precisions side by side")
     parser.add_argument("--study", default="spec",
                         help="the report's design: the `analysis` node of conf/experiment/STUDY.yaml, or of a "
                              "YAML file given by path (default: %(default)s)")
@@ -719,8 +824,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.margin is not None:
             design = dataclasses.replace(design, margin=args.margin)
         with cli.store_errors(args.tracking_uri):
-            summary, collected, written = report(args.tracking_uri, args.experiment, args.sweep, design, args.out,
-                                                 dataset=args.dataset, model=args.model, plots=False)
+            collected = collect(MlflowClient(args.tracking_uri), args.experiment, args.sweep, args.dataset,
+                                args.model, args.precision)
+            folder = report_folder(collected, args.out)
+            parts = [(p, select(collected, precision=p)) for p in values_in(collected, PRECISION)]
+            if len(parts) > 1 and collected.data[DATASET].nunique() == collected.data[MODEL].nunique() == 1:
+                made = [(p, part, summarize(part.data, design), folder / p) for p, part in parts]  # each, then all
+                compared = compare_precisions(collected.data, design)
+            else:
+                made, compared = [(None, collected, summarize(collected.data, design), folder)], None
     except (AnalysisError, ValueError) as e:
         sys.exit(f"error: {e}")
     note = window_note(collected, design.window_start, args.window_start is not None)
@@ -731,9 +843,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  {shown_model}"
           f"runs: {collected.data.run_id.nunique()} finished, "
           f"{len(collected.excluded)} excluded")
-    print(written[0].read_text(), flush=True)  # the tables first: the plots take seconds more
+    written = []
+    for _, part, summary, out in made:  # each precision's table is titled with it: mnist, bf16
+        files = export_tables(part, summary, out)
+        print(files[0].read_text(), flush=True)
+        written += files  # the tables first: the plots take seconds more
+    if compared is not None:
+        written += export_precisions(compared, folder)
+        print(format_precisions(compared), flush=True)
     if args.plots:
-        written += export_plots(collected, summary, report_folder(collected, args.out))
+        for _, part, summary, out in made:
+            written += export_plots(part, summary, out)
     print("written: " + ", ".join(str(p) for p in written))
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from gaexp.batches import Draw, Split
 from gaexp.model import ZeroPadShortcut
 from gaexp.norms import COUPLES
+from gaexp.precision import Precision
 
 # Layers that compute each sample from that sample alone, in training as in evaluation.
 PER_SAMPLE: tuple[type[nn.Module], ...] = (
@@ -102,12 +103,15 @@ class Chunking:
 
 
 def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[Draw], num_accum: int,
-                       chunking: Chunking) -> torch.Tensor:
+                       precision: Precision | None = None, *, chunking: Chunking) -> torch.Tensor:
     """The loop's step (gaexp/train.py `accumulate`) in one pass: the next `num_accum` micro-batches' samples,
-    in order, one forward (coupling layers chunked) and one backward of their mean loss; returns that loss
-    as a device tensor (no host synchronization)."""
+    in order, one forward (coupling layers chunked) and one backward of their mean loss, under `precision` (its
+    autocast and loss scale; the sum over the step's samples is the backward's own, so bf16 weights with
+    accumulate_in=param are the loop's alone: gaexp/engine.py); returns that loss as a device tensor (no host
+    synchronization)."""
+    precision = precision or Precision.float32()
     inputs, labels = data.batch(Draw.cat([next(batches) for _ in range(num_accum)]))
-    with chunking:
-        loss = F.cross_entropy(model(inputs), labels)
-    loss.backward()
+    with chunking, precision.forward():
+        loss = F.cross_entropy(model(inputs).float(), labels)
+    precision.backward(loss)
     return loss.detach()

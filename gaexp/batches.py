@@ -25,6 +25,7 @@ class Split:
     mean: Optional[Sequence[float]] = None  # per channel, of the [0, 1] pixels; None: none (ToTensor's)
     std: Optional[Sequence[float]] = None
     augment: str = "none"  # none | crop_flip: how the micro-batch stream draws this split's images
+    dtype: torch.dtype = torch.float32  # the model's input: its weights' dtype (precision=bf16w: bf16)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -42,7 +43,8 @@ class Split:
         if self.mean is not None:
             stats = {"dtype": x.dtype, "device": x.device}
             x = x.sub_(torch.tensor(self.mean, **stats).view(1, -1, 1, 1)).div_(torch.tensor(self.std, **stats).view(1, -1, 1, 1))
-        return x.contiguous(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
 
     def batch(self, draw: "Draw") -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of a micro-batch."""

@@ -238,7 +238,8 @@ class ReportCallback(Callback):
                 for path in written:
                     client.log_artifact(run_id, str(path))
             log.info("report of sweep %s in %s and MLflow run %s\n%s", sweep_id, written[0].parent, name,
-                     analysis.format_table(summary))
+                     analysis.format_precisions(summary) if isinstance(summary, analysis.Precisions)
+                     else analysis.format_table(summary))
 
 
 def report_command(sweep_id: str, design: AnalysisConfig, config: DictConfig, part: dict | None = None) -> str:

@@ -21,7 +21,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, engine, liveness, metrics, norms, redact, tracking, trial
+from gaexp import datasets, engine, liveness, metrics, norms, precision, redact, tracking, trial
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
 from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
@@ -134,6 +134,9 @@ def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
+    problem = precision.device_problem(c.precision, device)
+    if problem is not None:
+        raise ValueError(problem)
     compile_phases(c.compile, c.norm.name, device)
     if c.accumulate == engine.BATCHED:  # a layer it cannot chunk exactly is refused here, not run approximately
         coupled_layers(model)
@@ -141,7 +144,7 @@ def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
         trial.check_objective(c.train.num_iterations, c.analysis)
     size = training_size(c.data)
     choice = engine.choose(c.accumulate, model, c.regime.batch_size, c.regime.num_accum, size,
-                           lambda e: memory_problem(c, model, shape, device, e))
+                           lambda e: memory_problem(c, model, shape, device, e), c.precision)
     c = dataclasses.replace(c, accumulate=choice.engine)
     if size is not None:
         check_split(c, size)
@@ -199,10 +202,14 @@ def skip_if_finished(client: MlflowClient, experiment_id: str, keys: list[str], 
 
 def build(c: Config, dataset: datasets.Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
     """The data on `device` (validation: the test set, or images held out of training), and the model for its
-    shape and classes, initialized from the seed."""
+    shape and classes, initialized from the seed; both in the weights' dtype (precision.weights)."""
     train_data, valid_data = datasets.splits(dataset, c.data.holdout, device)
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
     model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
+    dtype = precision.DTYPES[c.precision.weights]
+    if dtype != torch.float32:  # initialized in float32 as any run, then rounded: the same draws for every precision
+        model, train_data, valid_data = (model.to(dtype), dataclasses.replace(train_data, dtype=dtype),
+                                         dataclasses.replace(valid_data, dtype=dtype))
     return model.to(device, memory_format=torch.channels_last), train_data, valid_data
 
 
@@ -235,6 +242,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     compiled = compile_phases(c.compile, c.norm.name, device)
     tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
             "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "accumulate": c.accumulate,
+            "precision": c.precision.name,
             engine.SETTING_TAG: choice.setting, **({} if in_sweep else {tracking.SINGLE_RUN: "true"}),
             **({tracking.CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
             **({engine.FALLBACK_TAG: choice.reason} if choice.fell_back else {}),
@@ -265,7 +273,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
             tic = time.perf_counter()
             try:
                 history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
-                                c.accumulate)
+                                c.accumulate, precision.Precision(c.precision, device))
             except DivergedError as e:
                 client.set_tag(run_id, "diverged_step", str(e.step))
                 raise
@@ -323,6 +331,8 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     choice = engine.within_split(choice, c.regime.batch_size, c.regime.num_accum, len(train_data))
     c = dataclasses.replace(c, accumulate=choice.engine)
     if (line := engine.notice(choice, c.run_name)) is not None:
+        log.warning("%s", line)
+    if (line := precision.slow_once(c.precision, device)) is not None:
         log.warning("%s", line)
     resolved["accumulate"] = choice.engine  # the engine used: logged, and in the protocol key
     key = tracking.protocol_key(resolved)

@@ -45,7 +45,7 @@ def differences(client_a: MlflowClient, client_b: MlflowClient, experiment: str 
     params = []
     for name in sorted(set(runs_a) & set(runs_b)):
         a, b = runs_a[name], runs_b[name]
-        for metric in metrics.HISTORIES:
+        for metric in (*metrics.HISTORIES, *metrics.SCALER_HISTORIES):
             history = [[(m.step, m.value) for m in c.get_metric_history(r.info.run_id, metric)]
                        for c, r in ((client_a, a), (client_b, b))]
             if history[0] != history[1]:

@@ -209,6 +209,63 @@ class RegimeConfig(Checked):
         return regime_name(self.batch_size, self.num_accum)
 
 
+AUTOCASTS = ("none", "bf16", "fp16")  # the forward's autocast dtype (none: the weights' own)
+WEIGHTS = ("fp32", "bf16")  # the parameters' dtype, and so their gradients'
+ACCUMULATE_IN = ("param", "fp32")  # where a step's micro-batch gradients are summed: in .grad, or a float32 buffer
+FP32 = "fp32"  # the default precision, and the one every run recorded before precision was a choice had
+
+
+def precision_name(autocast: str, weights: str, accumulate_in: str, scaler: bool) -> str:
+    """fp32, bf16 (autocast), fp16 (autocast with a GradScaler), bf16w (bf16 weights, gradients summed in bf16),
+    bf16w-acc32 (summed in a float32 buffer); a scaler other than fp16's default adds -scaler or -noscaler.
+    Derived from the keys, as a regime's name is: an override cannot mislabel a run."""
+    if weights == "bf16":
+        name = "bf16w" + ("-acc32" if accumulate_in == "fp32" else "")
+    else:
+        name = {"none": FP32}.get(autocast, autocast)
+    if scaler != (autocast == "fp16"):
+        name += "-scaler" if scaler else "-noscaler"
+    return name
+
+
+@dataclass
+class PrecisionConfig(Checked):
+    """How a run computes (conf/precision/<name>.yaml): the forward's autocast, the weights' dtype, where the
+    micro-batch gradients of a step are summed, and fp16's loss scaling (gaexp/precision.py)."""
+
+    PREFIX: ClassVar[str] = "precision."
+    autocast: str = key("none", "the forward under torch.autocast in this dtype: none, bf16 or fp16 (float32 "
+                                "weights and gradients)", valid=one_of(*AUTOCASTS), was="none")
+    weights: str = key(FP32, "the parameters' dtype, and so their gradients' and Adam's: fp32, or bf16 (a pure-bf16 "
+                             "trainer; the inputs are cast to it, the loss computed in float32)",
+                       valid=one_of(*WEIGHTS), was=FP32)
+    accumulate_in: str = key("param", "where a step's micro-batch gradients are summed: param (in .grad, the "
+                                      "parameters' dtype) or fp32 (a float32 buffer, as Megatron's main_grad and "
+                                      "DeepSpeed's grad_accum_dtype; rounded to the weights' dtype once per step)",
+                             valid=one_of(*ACCUMULATE_IN), was="param")
+    scaler: bool = key(False, "a GradScaler on the run's device: each micro-batch's loss scaled, the gradients "
+                              "unscaled and checked once per step, a step with Inf or NaN skipped whole (fp16: true)",
+                       was=False)
+    name: str = key("${gaexp.precision_name:${.autocast},${.weights},${.accumulate_in},${.scaler}}",
+                    "derived from the keys above: a tag, part of the run name (fp32, bf16, fp16, bf16w, bf16w-acc32)",
+                    was=FP32)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weights == "bf16":
+            require("precision.autocast", self.autocast, self.autocast == "none",
+                    "none with precision.weights=bf16 (the weights already compute in bf16)")
+        else:
+            require("precision.accumulate_in", self.accumulate_in, self.accumulate_in == "param",
+                    "param with precision.weights=fp32 (float32 gradients are summed in float32 already; fp32 "
+                    "applies to precision=bf16w)")
+        derived = precision_name(self.autocast, self.weights, self.accumulate_in, self.scaler)
+        if self.name.startswith("${"):
+            return  # the schema's own default instance, before OmegaConf resolves the name
+        require("precision.name", self.name, self.name == derived,
+                f"{derived}, what its keys make (the name is derived: set autocast, weights, accumulate_in, scaler)")
+
+
 @dataclass
 class TrainConfig(Checked):
     PREFIX: ClassVar[str] = "train."
@@ -441,6 +498,8 @@ class Config(Checked):
     model: ModelConfig = key(MISSING, "group: the network (conf/model/)")
     norm: Any = key(MISSING, "group: the normalization layer (conf/norm/)")
     regime: RegimeConfig = key(MISSING, "group: micro-batch and accumulation (conf/regime/)")
+    precision: PrecisionConfig = node(PrecisionConfig, "group: the dtypes of the forward, the weights and the "
+                                                       "gradients' sum (conf/precision/)")
     seed: int = key(1, "model initialization, and the data order through its own generator")
     device: str = key("auto", "auto (CUDA when present), cpu or cuda", valid=one_of(*DEVICES))
     device_type: str = key("${gaexp.device_type:${device}}", "the device the run trains on, `device` resolved where "
@@ -488,13 +547,14 @@ class Config(Checked):
 
     @property
     def run_name(self) -> str:
-        """bn-bs1a16-s1; another dataset, model or engine than the first leads:
-        fashion_mnist-resnet20-batched-bn-bs1a16-s1 (the names of runs recorded before these were a choice stay
+        """bn-bs1a16-s1; another dataset, model, engine or precision than the first leads:
+        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1 (the names of runs recorded before these were a choice stay
         valid); a trial of an Optuna study adds its number: -t7."""
         engine = ADDED_DEFAULTS["accumulate"] if self.accumulate == AUTO_ENGINE else self.accumulate  # auto: named
         lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),  # by its engine, once
                                            (self.model.name, ADDED_DEFAULTS["model.name"]),  # resolved (gaexp/engine.py)
-                                           (engine, ADDED_DEFAULTS["accumulate"])) if value != first]
+                                           (engine, ADDED_DEFAULTS["accumulate"]),
+                                           (self.precision.name, FP32)) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"
         return "".join(f"{v}-" for v in lead) + f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 
@@ -590,7 +650,7 @@ def resolved_value(tree: Mapping[str, Any], dotted: str) -> Any:
 
 # --- command-line names checked before Hydra's longer messages ----------------------------------
 
-GROUPS = ("model", "norm", "regime", "data", "launch", "experiment")  # conf/ groups a user names on the command line
+GROUPS = ("model", "norm", "regime", "precision", "data", "launch", "experiment")  # conf/ groups a user names on the command line
 
 
 def _meaning(group: str, name: str) -> str:
@@ -773,6 +833,7 @@ def register() -> None:
         "gaexp.div": lambda a, b: max(1, a // b),
         "gaexp.given": lambda value: value is not None,
         "gaexp.mul": lambda *xs: math.prod(xs),
+        "gaexp.precision_name": precision_name,
         "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *(k for k in runtime_keys() if k not in OBJECTIVE_KEYS)],
     }
     for name, resolver in resolvers.items():

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from gaexp.batched import UnchunkableError, coupled_layers
-from gaexp.config import AUTO_ENGINE, ENGINES
+from gaexp.config import AUTO_ENGINE, ENGINES, PrecisionConfig
 
 LOOP, BATCHED = ENGINES
 SETTING_TAG, FALLBACK_TAG = "accumulate_setting", "accumulate_fallback"  # a run's tags: what was asked; auto's reason
@@ -36,14 +36,31 @@ class Choice:
         return self.setting == AUTO_ENGINE and self.engine == LOOP
 
 
+def loop_only(precision: PrecisionConfig, num_accum: int) -> str | None:
+    """Why only the loop computes what `precision` asks, or None: bf16 weights whose micro-batch gradients are
+    summed in bf16 (accumulate_in=param) over k > 1 micro-batches. The batched engine's one backward sums a
+    step's samples inside its kernels, never in k bf16 roundings."""
+    if precision.weights != "fp32" and precision.accumulate_in == "param" and num_accum > 1:
+        return (f"precision={precision.name} sums {num_accum} micro-batch gradients in {precision.weights}, one "
+                "backward at a time; the batched engine's one backward sums them inside its kernels")
+    return None
+
+
 def choose(setting: str, model: nn.Module, batch_size: int, num_accum: int, split: int | None,
-           memory_problem: Callable[[str], str | None]) -> Choice:
+           memory_problem: Callable[[str], str | None], precision: PrecisionConfig | None = None) -> Choice:
     """The engine for `setting` (loop, batched, auto); `split`: the training images the batches are drawn from
     (None: not known yet, `within_split` checks it once read); `memory_problem(engine)`: None when a step of
-    that engine fits this machine, else the one-line reason. For loop and batched, their own checks refuse
-    what they cannot run (gaexp/cell.py)."""
+    that engine fits this machine, else the one-line reason; `precision`: what only the loop computes
+    (`loop_only`) is refused for batched and falls back under auto. For loop and batched, their own checks
+    refuse what they cannot run (gaexp/cell.py)."""
+    only = loop_only(precision, num_accum) if precision is not None else None
+    if setting == BATCHED and only:
+        raise ValueError(f"accumulate=batched: {only}; valid: accumulate=loop or auto, or "
+                         "precision.accumulate_in=fp32 (summed in float32, as the batched engine computes)")
     if setting != AUTO_ENGINE:
         return Choice(setting, setting)
+    if only:
+        return Choice(LOOP, setting, only)
     try:
         coupled_layers(model)
     except UnchunkableError as e:

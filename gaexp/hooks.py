@@ -27,6 +27,8 @@ class EvalPoint:
     train_loss: float  # mean unscaled loss over the last `loss_window` optimizer steps
     valid_acc: float  # accuracy on the whole validation split, eval mode
     samples_per_sec: float  # training samples per second so far (evaluations excluded)
+    loss_scale: float | None = None  # under a GradScaler (precision.scaler): the scale now
+    skipped_steps: int | None = None  # and the optimizer steps it skipped so far
 
 
 class Hook:

@@ -17,8 +17,10 @@ class Metric:
     # at its last step (RESOURCE: what it cost)
     meaning: str
     measured: bool = False  # a measurement of the machine (time, memory): it varies run to run and is no result
+    only: str = ""  # SCALER: logged by those runs alone
 
 
+SCALER = "scaler"  # logged by runs with a GradScaler only (precision.scaler)
 VALID_ACC = Metric("valid_acc", EVALUATION, "accuracy on the whole validation split, in eval mode")
 TRAIN_LOSS = Metric("train_loss", EVALUATION, "mean unscaled training loss over the last train.loss_window steps")
 FINAL_VALID_ACC = Metric("final_valid_acc", RESULT, "valid_acc at the last evaluation")
@@ -33,9 +35,14 @@ BATCHED_ACTIVATION_MB = Metric("batched_activation_mb", RESOURCE, "accumulate=ba
                                                                   "b*k samples of a step")
 BATCHED_PEAK_RSS_MB = Metric("batched_peak_rss_mb", RESOURCE, "accumulate=batched: peak_rss_mb", True)
 BATCHED_CUDA_MAX_MEM_MB = Metric("batched_cuda_max_mem_mb", RESOURCE, "accumulate=batched: cuda_max_mem_mb", True)
+LOSS_SCALE = Metric("loss_scale", EVALUATION, "the GradScaler's loss scale at each evaluation", only=SCALER)
+SKIPPED_STEPS = Metric("skipped_steps", RESULT, "optimizer steps the GradScaler skipped whole (a gradient not finite)",
+                       only=SCALER)
 
 METRICS = (VALID_ACC, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
-           SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB)
-HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION)  # valid_acc, train_loss
+           SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB,
+           LOSS_SCALE, SKIPPED_STEPS)
+HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and not m.only)  # valid_acc, train_loss
+SCALER_HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and m.only == SCALER)  # loss_scale
 RESOURCES = tuple(m.name for m in METRICS if m.per == RESOURCE)
 MEASURED = frozenset(m.name for m in METRICS if m.measured)

@@ -381,7 +381,8 @@ def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> 
 def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
     """One batch per evaluation: the metric histories, with step = optimizer step, and the heartbeat."""
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(name, getattr(point, name), now, point.step) for name in metrics.HISTORIES],
+    names = [*metrics.HISTORIES, *(metrics.SCALER_HISTORIES if point.loss_scale is not None else ())]
+    client.log_batch(run_id, metrics=[Metric(name, getattr(point, name), now, point.step) for name in names],
                      tags=[RunTag(HEARTBEAT, f"{now / 1000:.0f}")])
 
 
@@ -405,6 +406,7 @@ def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wal
         metrics.BEST_VALID_ACC.name: max(p.valid_acc for p in history),
         metrics.WALL_SECONDS.name: wall_seconds,
         metrics.SAMPLES_PER_SEC.name: last.samples_per_sec,
+        **({metrics.SKIPPED_STEPS.name: last.skipped_steps} if last.skipped_steps is not None else {}),
         **(extra or {}),
     }
     client.log_batch(run_id, metrics=[Metric(k, v, now, last.step) for k, v in values.items()],

@@ -19,6 +19,7 @@ from gaexp.batches import Draw, Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import compiled_training
+from gaexp.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +88,20 @@ def planned_phases(choice: str, norm: str) -> frozenset[str]:
     return phases[choice]
 
 
-def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num_accum: int) -> torch.Tensor:
-    """Forward and backward `num_accum` micro-batches, each loss scaled by 1/k.
+def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num_accum: int,
+               precision: Precision | None = None) -> torch.Tensor:
+    """Forward and backward `num_accum` micro-batches, each loss scaled by 1/k, under `precision` (default fp32:
+    its autocast, its loss scale, its sum in `.grad` or a float32 buffer; the loss in float32).
 
-    Gradients add up in `.grad`; returns the step's mean unscaled loss as a
-    device tensor (no host synchronization).
+    Gradients add up; returns the step's mean unscaled loss as a device tensor (no host synchronization).
     """
+    precision = precision or Precision.float32()
     total = torch.zeros((), device=data.labels.device)
     for _ in range(num_accum):
         inputs, labels = data.batch(next(batches))
-        loss = F.cross_entropy(model(inputs), labels)
-        (loss / num_accum).backward()
+        with precision.forward():
+            loss = F.cross_entropy(model(inputs).float(), labels)
+        precision.backward(loss / num_accum)
         total += loss.detach()
     return total / num_accum
 
@@ -114,13 +118,15 @@ def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Calla
 
 
 @torch.inference_mode()
-def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> float:
-    """Accuracy on the whole split in eval mode, in large batches."""
+def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256,
+             precision: Precision | None = None) -> float:
+    """Accuracy on the whole split in eval mode, in large batches, under the training's autocast."""
     was_training = model.training
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=data.labels.device)
     for start in range(0, len(data.labels), batch_size):
-        logits = model(data.inputs(slice(start, start + batch_size)))
+        with (precision or Precision.float32()).forward():
+            logits = model(data.inputs(slice(start, start + batch_size)))
         correct += (logits.argmax(dim=1) == data.labels[start:start + batch_size]).sum()
     model.train(was_training)
     return correct.item() / len(data.labels)
@@ -128,16 +134,19 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256) -> floa
 
 def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: TrainConfig, regime: RegimeConfig,
           seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset(),
-          engine: str = "loop") -> list[EvalPoint]:
+          engine: str = "loop", precision: Precision | None = None) -> list[EvalPoint]:
     """Adam on `cfg.num_iterations` optimizer steps of `regime.num_accum` micro-batches of `regime.batch_size`,
     in the data order of `seed` (and its augmentation, `train_data.augment`), each step's micro-batches computed by `engine` (`step_function`); evaluates
     every `cfg.eval_period` steps and at the last step. The phases in `compiled` run through torch.compile,
-    one static graph per shape (Inductor caches them on disk)."""
+    one static graph per shape (Inductor caches them on disk). `precision` (default fp32, gaexp/precision.py):
+    the model and data already in its weights' dtype; a step its scaler skips is counted, not retried."""
     if compiled:  # a worker process runs many cells: start each with no graphs in memory, or Dynamo's
         torch._dynamo.reset()  # recompile limit would silently turn later cells eager (Inductor's disk cache stays)
     forward = torch.compile(model, dynamic=False) if "train" in compiled else model
     eval_forward = torch.compile(model, dynamic=False) if "eval" in compiled else model
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    precision = precision or Precision.float32()
+    precision.prepare(model)
     gradient = step_function(engine, model, regime.batch_size)
     batches = micro_batches(len(train_data), regime.batch_size, seed, train_data.augment, train_data.labels.device)
     losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's mean unscaled loss
@@ -146,8 +155,8 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
     model.train()
     try:
         for step in range(1, cfg.num_iterations + 1):
-            losses[step - 1] = gradient(forward, train_data, batches, regime.num_accum)
-            optimizer.step()
+            losses[step - 1] = gradient(forward, train_data, batches, regime.num_accum, precision)
+            precision.step(optimizer)  # under a scaler, skipped whole where a gradient is not finite
             optimizer.zero_grad(set_to_none=True)
             for hook in hooks:
                 hook.after_step(step, losses)
@@ -158,8 +167,9 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
                 hook.before_eval(model, step)
             train_loss = losses[max(0, step - cfg.loss_window):step].mean().item()
             samples_per_sec = step * regime.batch_size * regime.num_accum / train_seconds
-            history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size),
-                                     samples_per_sec))
+            history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size,
+                                                                precision), samples_per_sec,
+                                     precision.scale, precision.skipped if precision.scaler.is_enabled() else None))
             for hook in hooks:
                 hook.after_eval(history[-1])
             tic = time.perf_counter()

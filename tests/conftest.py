@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import pytest
 import torch
+import yaml
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -231,20 +232,27 @@ CELL_SWEEP = "2026-11-30_10-00-00"  # cell_run's sweep id
 
 
 def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", status="FINISHED",
-            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None, model=None):
-    """A run as gaexp records it; without `dataset` or `model`, as runs were recorded before these were a choice."""
+            num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None, model=None, precision=None):
+    """A run as gaexp records it; without `dataset`, `model` or `precision` (a conf/precision/ name), as runs were
+    recorded before these were a choice."""
     b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
     tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
     if dataset:
         tags["dataset"] = dataset
     if model:
         tags["model"] = model
-    name = f"{dataset + '-' if dataset else ''}{model + '-' if model else ''}{norm}-{regime}-s{seed}"
+    if precision:
+        tags["precision"] = precision
+    lead = "".join(f"{v}-" for v in (dataset, model, precision) if v)
+    name = f"{lead}{norm}-{regime}-s{seed}"
     run_id = client.create_run(experiment_id, run_name=name, tags={k_: str(v) for k_, v in tags.items()}).info.run_id
     tracking.log_params(client, run_id, {"train": {"num_iterations": num_iterations, "eval_period": eval_period,
                                                    "lr": lr, "loss_window": 100},
                                          **({"data": {"dataset": dataset}} if dataset else {}),
-                                         **({"model": {"name": model, "target": f"nets:{model}"}} if model else {})})
+                                         **({"model": {"name": model, "target": f"nets:{model}"}} if model else {}),
+                                         **({"precision": {"name": precision, **yaml.safe_load(
+                                             (Path(CONFIG_DIR) / "precision" / f"{precision}.yaml").read_text())}}
+                                            if precision else {})})
     for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
         tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
     for key, value in (summary or {}).items():

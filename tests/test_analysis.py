@@ -332,8 +332,8 @@ def test_models_never_pool_one_report_each_and_one_is_selected(store, tmp_path, 
 
     made = analysis.report_each_part(uri, "gaexp", "sweep-a", STUDY, tmp_path / "r")
     assert [(part, name, written[0]) for part, name, _, written in made] == [
-        ({"dataset": "mnist", "model": "resnet20"}, "resnet20", tmp_path / "r" / "resnet20" / "table.md"),
-        ({"dataset": "mnist", "model": "simple"}, "simple", tmp_path / "r" / "simple" / "table.md")]
+        ({"dataset": "mnist", "model": "resnet20", "precision": "fp32"}, "resnet20", tmp_path / "r" / "resnet20" / "table.md"),
+        ({"dataset": "mnist", "model": "simple", "precision": "fp32"}, "simple", tmp_path / "r" / "simple" / "table.md")]
     assert (tmp_path / "r" / "resnet20" / "table.md").read_text().startswith("mnist, resnet20: mean valid accuracy")
     assert (tmp_path / "r" / "simple" / "table.md").read_text().startswith("mnist: mean valid accuracy")
 
@@ -491,3 +491,49 @@ def test_a_report_with_another_window_than_the_runs_command_says_both(store, tmp
                           "that table\nsweep: ")
     analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "r"), "--no-plots", "--window-start", "600"])
     assert "note:" not in capsys.readouterr().out
+
+
+def test_precisions_never_pool_each_has_its_table_then_all_are_set_beside_fp32(store, tmp_path, capsys):
+    client, experiment_id, uri = store  # HISTORIES: runs recorded before precision was a choice, i.e. fp32
+    shift = {("bn", "bs16a1"): -0.01, ("bn", "bs1a16"): -0.20, ("gn4", "bs16a1"): 0.0, ("gn4", "bs1a16"): 0.0}
+    for (norm, regime, seed), accs in HISTORIES.items():  # bf16: bn/bs1a16 20 points lower in both seeds
+        if (norm, regime) in shift:
+            add_run(client, experiment_id, norm, regime, seed, [a + shift[norm, regime] for a in accs],
+                    precision="bf16")
+    with pytest.raises(AnalysisError, match=r"^runs of 2 precisions \(bf16, fp32\) never pool; choose one with "
+                                            r"--precision$"):
+        summarize(collect(client, "gaexp").data, STUDY)
+    fp32 = summarize(collect(client, "gaexp", precision="fp32").data, STUDY)
+    bf16 = summarize(collect(client, "gaexp", precision="bf16").data, STUDY)
+    assert bf16.table.loc["bn", "bs1a16"] == pytest.approx(fp32.table.loc["bn", "bs1a16"] - 0.20)
+    assert list(bf16.paired.regime) == ["bs1a16", "bs1a16"]  # against its own true batch, at its own precision
+
+    compared = analysis.compare_precisions(collect(client, "gaexp").data, STUDY)
+    rows = compared.table.set_index(["norm", "regime", "precision"])
+    assert rows.loc[("bn", "bs1a16", "bf16"), "diff"] == pytest.approx(-0.20)
+    assert rows.loc[("bn", "bs1a16", "bf16"), "verdict"] == "worse"  # the same -20 points in both seeds
+    assert rows.loc[("gn4", "bs1a16", "bf16"), "verdict"] == "equivalent"
+    assert pd.isna(rows.loc[("bn", "bs4a4", "fp32"), "diff"])  # fp32 is the reference: no difference of its own
+    assert ("bn", "bs4a4", "bf16") not in rows.index  # bf16 never ran it
+
+    analysis.main(["--tracking-uri", uri, "--out", str(tmp_path / "cli"), "--no-plots"])
+    out = capsys.readouterr().out
+    assert "\nmnist, bf16: mean valid accuracy" in out and "\nmnist: mean valid accuracy" in out
+    assert "| bn | bs1a16 | fp32 | 52.50 | 10.61 | 2 | reference |  |\n| bn | bs1a16 | bf16 | 32.50 | 10.61 | 2 | -20.00 [-20.00, -20.00] | worse |" in out
+    assert (tmp_path / "cli" / "precisions.md").is_file() and (tmp_path / "cli" / "bf16" / "table.md").is_file()
+
+    made = analysis.report_each_part(uri, "gaexp", "sweep-a", STUDY, tmp_path / "r")
+    assert [(part, name) for part, name, _, _ in made] == [
+        ({"dataset": "mnist", "model": "simple", "precision": "bf16"}, "bf16"),
+        ({"dataset": "mnist", "model": "simple", "precision": "fp32"}, "fp32"),
+        ({"dataset": "mnist", "model": "simple"}, "precisions")]
+    assert (tmp_path / "r" / "precisions.md").read_text().startswith("mnist: precisions side by side")
+
+
+def test_a_precision_at_another_budget_is_shown_not_compared(store):
+    client, experiment_id, uri = store
+    for seed in (1, 2):
+        add_run(client, experiment_id, "gn4", "bs16a1", seed, (0.5,), num_iterations=300, precision="fp16")
+    compared = analysis.compare_precisions(collect(client, "gaexp").data, STUDY)
+    assert compared.note == "fp16 not compared with fp32: num_iterations 300 against 900"
+    assert compared.table[compared.table.precision == "fp16"]["diff"].isna().all()

@@ -172,7 +172,7 @@ RANGE_ERRORS = {
     "stats samples": (["norm=bn_precise", "norm.stats_samples=0"], r"norm.stats_samples=0; valid: an integer >= 1"),
     "reference": (["analysis.reference=bs1a1"], r"analysis.reference='bs1a1'; valid: one of analysis.table_columns"),
     "key forced in": (["norm=bn", "+norm.groups=4"], r"norm.groups is not a key of norm=bn; valid: name$"),
-    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: model, norm, regime, seed, device, device_type, deterministic, train, "),
+    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: model, norm, regime, precision, seed, device, device_type, deterministic, train, "),
     "nested key forced in": (["+train.learning_rate=0.1"], r"train.learning_rate is not a key of train; valid: "
                                                             r"num_iterations, eval_period, lr, loss_window, eval_batch_size"),
 }
@@ -277,7 +277,7 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 # launcher, which Hydra loads and nothing imports, at the top, above the app they never import.
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
-              "machine", "redact", "cli", "config", "metrics", "configdocs", "targets", "data", "imagefolder", "batches",
+              "machine", "redact", "cli", "config", "metrics", "configdocs", "targets", "data", "imagefolder", "batches", "precision",
               "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "engine", "train", "check",
               "tracking", "cell", "storegen", "server", "progress", "breakdown", "eta_replay", "tuning", "analysis", "ui", "compare",
               "storebench", "bench", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
@@ -403,3 +403,40 @@ def test_the_command_refuses_an_unknown_choice_in_one_line_before_hydra_starts(m
     monkeypatch.setattr(app, "main", lambda: ran.append(True))
     app.cli(["-m", "norm=gn", "norm.groups=5", "seed=1,2"])
     assert ran == [True]
+
+
+PRECISION_ERRORS = {
+    "sum of fp32 weights": (["precision=bf16", "precision.accumulate_in=fp32"],
+                            r"^precision.accumulate_in='fp32'; valid: param with precision.weights=fp32 "),
+    "autocast over bf16 weights": (["precision=bf16w", "precision.autocast=fp16"],
+                                   r"^precision.autocast='fp16'; valid: none with precision.weights=bf16 "),
+    "a name of one's own": (["precision=bf16", "precision.name=mine"],
+                            r"^precision.name='mine'; valid: bf16, what its keys make "),
+    "weights": (["precision.weights=fp16"], r"^precision.weights='fp16'; valid: fp32, bf16$"),
+    "autocast": (["precision.autocast=fp8"], r"^precision.autocast='fp8'; valid: none, bf16, fp16$"),
+}
+
+
+@pytest.mark.parametrize("case", list(PRECISION_ERRORS))
+def test_a_precision_its_keys_cannot_make_is_refused_naming_what_is_valid(case, compose):
+    overrides, message = PRECISION_ERRORS[case]
+    with pytest.raises(ValueError, match=message):
+        typed(compose(*overrides))
+
+
+def test_precision_is_a_group_named_by_its_keys_and_fp32_keeps_every_key_and_name(compose):
+    assert unknown_choice(["precision=fp8"]) == ("precision=fp8: no such precision; valid: bf16, bf16w, bf16w-acc32, "
+                                                 "fp16, fp32")
+    for name in ("fp32", "bf16", "fp16", "bf16w", "bf16w-acc32"):  # each file's name is what its keys make
+        assert typed(compose(f"precision={name}")).precision.name == name
+    assert typed(compose("precision=fp16", "precision.scaler=false")).precision.name == "fp16-noscaler"
+    fp32 = OmegaConf.to_container(compose("norm=gn4", "regime=bs4a4", "device=cpu"), resolve=True)
+    before = {k: v for k, v in fp32.items() if k != "precision"}  # as runs were recorded before the group
+    assert "precision" not in protocol_part(fp32)
+    assert tracking.protocol_key(fp32) == tracking.protocol_key(before)
+    bf16 = OmegaConf.to_container(compose("norm=gn4", "regime=bs4a4", "device=cpu", "precision=bf16"), resolve=True)
+    assert protocol_part(bf16)["precision"] == {"autocast": "bf16", "name": "bf16"}
+    assert tracking.protocol_key(bf16) != tracking.protocol_key(fp32)
+    assert typed(compose("norm=gn4", "regime=bs4a4")).run_name == "gn4-bs4a4-s1"
+    assert typed(compose("norm=gn4", "regime=bs4a4", "precision=bf16w-acc32", "accumulate=batched",
+                         "model=resnet20")).run_name == "resnet20-batched-bf16w-acc32-gn4-bs4a4-s1"
