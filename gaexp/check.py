@@ -25,25 +25,36 @@ not depend on the seed. NaN or Inf in the inputs, a module's output, the loss or
 (`NonFiniteError`, naming where it first appeared): a non-finite step is never safe. The model is left as it
 was: parameters, buffers, `.grad`, training flags and the random streams.
 
+All of that is measured in float32, whatever precision the model will train in, so rounding can never pass for a
+coupling. Under a precision (`precision=`: gaexp's bf16, fp16, bf16w, bf16w-acc32, as gaexp/precision.py computes
+them), `precision_drift` then takes the same step, with the same modes, on copies: as k micro-batches summed as
+that precision sums them and as one batch, each against the same step in float64, and says whether accumulation
+is measurably further from float64 than the big batch (`measurably_worse`), and what to change.
+
 Nothing here knows about Hydra, MLflow or gaexp's datasets: the command around it is gaexp/check_cli.py.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from gaexp.config import CONFIG_DIR, FP32, PrecisionConfig, precision_name
 from gaexp.norms import NORMS
+from gaexp.precision import DTYPES, Precision
 
 STEP_TARGETS = "step_targets"  # a loss taking this (or a third positional) gets the whole step's targets, unscaled
 MODES = ("train", "keep")  # every module in training mode, or the training flags as the model came
@@ -132,9 +143,14 @@ class Report:
     loss_coupling: str = ""  # "" (per-sample), "count" (a per-micro-batch normalisation) or "samples" (pairs)
     mode: str = "train"  # "train": every module in training mode; "keep": the flags as the model came
     eval_modules: list[str] = field(default_factory=list)  # modules the model came with in eval mode
+    precision: "PrecisionDrift | None" = None  # the step under a precision against float64 (None: float32 only)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The report as plain data; `precision` only where one was measured (float32's is as it always was)."""
+        data = asdict(self)
+        if data["precision"] is None:
+            del data["precision"]
+        return data
 
     def __str__(self) -> str:
         return render(self)
@@ -663,6 +679,196 @@ def _loss_coupling(contract: LossContract, outputs: Any, axes: list[int | None],
     return worst, kind
 
 
+# --- under a precision: the same step against float64 --------------------------------------------------------
+
+WORSE_RATIO = 2.0  # accumulation measurably worse than the big batch: this ratio of their errors (measurably_worse)
+BACKOFFS = 40  # a GradScaler's halvings tried from its first scale (2^16 down to 2^-24) before a step is non-finite
+LOW_DTYPES = (torch.bfloat16, torch.float16)  # outputs in these are cast to float32 for the loss, as training does
+
+
+def precision_config(name: str, accumulate_in: str | None = None) -> PrecisionConfig:
+    """gaexp's `precision=NAME`, as conf/precision/NAME.yaml declares it (fp32, bf16, fp16, bf16w, bf16w-acc32),
+    with its micro-batch gradients summed in `accumulate_in` (param or fp32) when given; refused in one line."""
+    folder = Path(CONFIG_DIR) / "precision"
+    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    if name not in names:
+        raise CheckError(f"precision={name!r}; valid: {', '.join(names)}")
+    keys = yaml.safe_load((folder / f"{name}.yaml").read_text())
+    if accumulate_in is not None:
+        keys["accumulate_in"] = accumulate_in
+    try:
+        return PrecisionConfig(**keys, name=precision_name(**keys))
+    except ValueError as e:
+        raise CheckError(str(e)) from None
+
+
+def as_precision(precision: PrecisionConfig | str) -> PrecisionConfig:
+    """A precision given by gaexp's name, or a PrecisionConfig (its name derived from its keys where it was left to
+    the resolver, as in PrecisionConfig(autocast="bf16"))."""
+    if isinstance(precision, str):
+        return precision_config(precision)
+    if precision.name.startswith("${"):
+        keys = {k: getattr(precision, k) for k in ("autocast", "weights", "accumulate_in", "scaler")}
+        return PrecisionConfig(**keys, name=precision_name(**keys))
+    return precision
+
+
+def dtype_name(key: str) -> str:
+    """float32, bfloat16, float16: torch's name for a precision key's dtype (fp32, bf16, fp16)."""
+    return str(DTYPES[key]).removeprefix("torch.")
+
+
+def summed_in(p: PrecisionConfig) -> str:
+    """The dtype a step's micro-batch gradients are summed in: the weights' (.grad), or float32 (a buffer)."""
+    return dtype_name(FP32 if p.accumulate_in == FP32 else p.weights)
+
+
+def precision_words(p: PrecisionConfig) -> str:
+    """What a precision computes, in words, from its keys."""
+    words = [f"the forward under torch.autocast({dtype_name(p.autocast)})"] if p.autocast != "none" else []
+    if p.weights == FP32:
+        words.append("float32 weights")
+    else:
+        low = dtype_name(p.weights)
+        words.append(f"{low} weights (the inputs cast to {low}, the loss in float32)")
+    words.append(f"micro-batch gradients summed in {summed_in(p)}" + (
+        f", rounded to {dtype_name(p.weights)} once per step" if summed_in(p) != dtype_name(p.weights) else ""))
+    if p.scaler:
+        words.append("a GradScaler on the model's device")
+    return "; ".join(words)
+
+
+def measurably_worse(accumulated: float, big: float, floor: float) -> bool:
+    """Whether the accumulated gradient is measurably further from float64 than the big batch's: more than
+    WORSE_RATIO times its error, and by more than `floor`, one rounding of the gradient to its own dtype.
+
+    Why these two: at one precision, the same step computed two ways differs by rounding alone. Micro-batch
+    gradients summed in float32 round as often as the big batch does, and their error is the big batch's give or
+    take (docs/check.md, "Under a precision": 1x on the study's CNN, 0.94x with its BatchNorms); a float32 buffer
+    rounded once to bf16 adds one rounding, at most about sqrt(2)x where that rounding is as large as the big
+    batch's whole error (1.1x on a linear classifier at 256 micro-batches). Beyond twice the big batch's error,
+    what summing in bf16 adds, a rounding of the running sum at each of k additions, outweighs the precision's own
+    rounding of the step (8.1x on that classifier). The floor keeps a ratio of two errors near nothing from
+    counting: a difference smaller than storing the gradient in its dtype costs any step."""
+    return accumulated > WORSE_RATIO * big and accumulated - big > floor
+
+
+@dataclass(frozen=True)
+class PrecisionDrift:
+    """One training step under a precision against the same step in float64 (a float64 copy of the model with
+    the weights the precision holds, the same inputs and micro-batches): the accumulated gradient's relative
+    error and the big batch's, over all parameters."""
+    precision: str  # gaexp's name (precision=): bf16, fp16, bf16w, bf16w-acc32, ...
+    computes: str  # in words
+    summed_in: str  # the dtype the micro-batch gradients are summed in
+    accumulated_rel: float  # k micro-batches of b, summed as the precision sums them, against float64's
+    big_rel: float  # one batch of b*k at the precision against float64's
+    ratio: float  # accumulated_rel / big_rel
+    floor: float  # one rounding of the gradient to its dtype (half its machine epsilon)
+    worse: bool  # measurably_worse: accumulation does not stand in for the big batch at this precision
+    remedy: str  # what to change when worse ("" otherwise)
+    scale: float | None = None  # the GradScaler's loss scale the accumulated step ran at
+    skipped: int = 0  # steps the scaler skipped (Inf or NaN) before that scale
+    dtype: str = "float32"  # the gradients' (the weights'), whose one rounding is the floor
+
+
+class _Held(torch.optim.Optimizer):
+    """An optimizer that takes no step: Precision.step rounds, unscales and checks the gradients, then leaves them
+    in `.grad` to be read."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
+def _cast(obj: Any, dtype: torch.dtype, only: Sequence[torch.dtype] | None = None) -> Any:
+    """Every floating-point tensor in obj (of the dtypes `only`, if given) in `dtype`."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and (only is None or t.dtype in only) else t, obj)
+
+
+def _precise_step(model: nn.Module, precision: Precision, inputs: Any, targets: Any, contract: LossContract, n: int,
+                  chunks: list[tuple[int, int]]) -> tuple[list[torch.Tensor], bool]:
+    """One step as training takes it under `precision` (its forward, its backward of each 1/k-scaled loss, its
+    sum, its step with an optimizer that moves nothing): each parameter's gradient, and whether the scaler
+    skipped the step. `model` is the precision's own copy."""
+    scale = 1.0 if contract.step or len(chunks) == 1 else 1.0 / len(chunks)
+    if precision.dtype != torch.float32:
+        inputs = _cast(inputs, precision.dtype)
+    with torch.enable_grad():
+        for start, stop in chunks:
+            with precision.forward():
+                outputs = _call(model, _rows(inputs, start, stop, n))
+            outputs = _cast(outputs, torch.float32, LOW_DTYPES)  # the loss in float32 (training's .float())
+            precision.backward(contract.value(outputs, _rows(targets, start, stop, n), targets) * scale)
+    skipped = precision.step(_Held(precision.params)) if precision.params else False
+    return [q.grad.detach() if q.grad is not None else torch.zeros_like(q) for q in precision.params], skipped
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).double() for g in grads]) if grads else torch.zeros(0, dtype=torch.float64)
+
+
+def precision_drift(model: nn.Module, inputs: Any, targets: Any, loss: Callable[..., torch.Tensor] | None = None,
+                    *, micro_batch: int, num_accum: int, precision: PrecisionConfig | str) -> PrecisionDrift:
+    """One training step of `model` (its training flags as they are; the model itself untouched) under
+    `precision` (a PrecisionConfig, or gaexp's name: bf16, fp16, bf16w, bf16w-acc32), taken as `num_accum`
+    micro-batches of `micro_batch` and as one batch, each against the same step in float64: a float64 copy of
+    the model with the weights the precision holds (bf16w: its bf16 values), the same inputs, the same
+    micro-batches, the gradients summed in float64. The loss contract is check_accumulation's.
+
+    fp16's GradScaler starts at its own first scale and backs off as training's first steps do: a step it
+    skips (Inf or NaN in a scaled gradient) is taken again at the halved scale, up to BACKOFFS times; a step
+    still not finite, or one with no scaler, raises NonFiniteError. `worse`: `measurably_worse`."""
+    p = as_precision(precision)
+    contract = loss_contract(loss)
+    n = micro_batch * num_accum
+    chunks = [(i * micro_batch, (i + 1) * micro_batch) for i in range(num_accum)]
+    device = next((q.device for q in model.parameters()), torch.device("cpu"))
+    reference = Precision(p, device).prepare(copy.deepcopy(model)).double()
+    exact, low = {}, {}
+    scale, skipped = None, 0
+    for name, steps in (("accumulated", chunks), ("big", [(0, n)])):
+        if name == "big" and num_accum == 1:  # one micro-batch is the big batch
+            exact[name], low[name] = exact["accumulated"], low["accumulated"]
+            continue
+        float64 = Precision.float32()  # float32's calls (no autocast, no scaler, summed in .grad) on float64
+        exact[name] = _flat(_precise_step(float64.prepare(copy.deepcopy(reference)), float64,
+                                          _cast(inputs, torch.float64), _cast(targets, torch.float64), contract, n,
+                                          steps)[0])
+        run = Precision(p, device)  # built for the model's device: never GradScaler() alone, which means CUDA
+        for _ in range(BACKOFFS):
+            grads, was_skipped = _precise_step(run.prepare(copy.deepcopy(model)), run, inputs, targets, contract, n,
+                                               steps)
+            if not was_skipped:
+                break
+        value = _nonfinite(grads)
+        if value:
+            what = "one batch" if len(steps) == 1 else f"{len(steps)} micro-batches"
+            raise NonFiniteError(f"the gradient is {value} under precision={p.name} after the step of {what}"
+                                 + (f", the loss scale backed off {run.skipped} times to {run.scale:g}"
+                                    if run.scale is not None else ""))
+        low[name] = _flat(grads)
+        if name == "accumulated":
+            scale, skipped = run.scale, run.skipped
+    accumulated, big = _rel(low["accumulated"], exact["accumulated"]), _rel(low["big"], exact["big"])
+    floor = torch.finfo(DTYPES[p.weights]).eps / 2
+    worse = measurably_worse(accumulated, big, floor)
+    return PrecisionDrift(p.name, precision_words(p), summed_in(p), accumulated, big, _ratio(accumulated, big), floor,
+                          worse, _precision_remedy(p) if worse else "", scale, skipped, dtype_name(p.weights))
+
+
+def _precision_remedy(p: PrecisionConfig) -> str:
+    if summed_in(p) != dtype_name(FP32):
+        summed = precision_name(p.autocast, p.weights, FP32, p.scaler)
+        return (f"sum the micro-batch gradients in a float32 buffer, rounded to {dtype_name(p.weights)} once per "
+                f"step: precision={summed} in gaexp (gaexp-check --accumulate-in fp32)")
+    return ("the sum is float32 already: each micro-batch's own rounding adds up; fewer, larger micro-batches, or "
+            "float32 (precision=fp32)")
+
+
 # --- the check --------------------------------------------------------------------------------------------------
 
 def _scalar(t: torch.Tensor) -> str:
@@ -672,7 +878,7 @@ def _scalar(t: torch.Tensor) -> str:
 def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
                        loss: Callable[..., torch.Tensor] | None = None, *, micro_batch: int, num_accum: int,
                        rtol: float | None = None, seed: int = 0, modes: str = "train",
-                       norm_choices: bool = False) -> Report:
+                       norm_choices: bool = False, precision: PrecisionConfig | str | None = None) -> Report:
     """One training step of `model` on `inputs`/`targets` (micro_batch * num_accum samples, the batch first in
     every tensor; `inputs` a tensor, or a tuple/list of positional arguments, or a dict of keyword arguments)
     taken as one batch and as `num_accum` micro-batches, compared.
@@ -684,8 +890,10 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
     `rtol`: the float-rounding threshold, by default the square root of the parameters' machine epsilon (3.5e-4
     in float32). `modes`: "train" puts every module in training mode (the report names those the model came with
     in eval mode), "keep" checks the training flags as they are. `norm_choices`: remedies name gaexp's `norm=`
-    choices (for a gaexp model) instead of what to change in one's own model. Raises CheckError for input it
-    cannot use and NonFiniteError for NaN or Inf in the step."""
+    choices (for a gaexp model) instead of what to change in one's own model. `precision` (a PrecisionConfig, or
+    gaexp's name: bf16, fp16, bf16w, bf16w-acc32): after the check, which stays in float32, the step under that
+    precision against float64 (`precision_drift`, with the check's modes), in `report.precision`; None or fp32:
+    none. Raises CheckError for input it cannot use and NonFiniteError for NaN or Inf in the step."""
     tic = time.perf_counter()
     if not isinstance(micro_batch, int) or micro_batch < 1:
         raise CheckError(f"micro_batch={micro_batch!r}; valid: an integer >= 1")
@@ -711,6 +919,8 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
     else:
         threshold = "given"
     contract = loss_contract(loss)
+    if precision is not None:
+        precision = as_precision(precision)
     chunks = [(i * micro_batch, (i + 1) * micro_batch) for i in range(num_accum)]
     value = _nonfinite(inputs)
     if value:
@@ -738,6 +948,10 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
         if root_axes is None:
             root_axes = [0 if _batched(t, n) else None for t in tree_leaves(outputs)]
         loss_rel, loss_coupling = _loss_coupling(contract, outputs, root_axes, targets, n, chunks, rtol)
+        drift = None
+        if precision is not None and precision.name != FP32:  # on copies, with the modes the check ran in
+            drift = precision_drift(model, inputs, targets, loss, micro_batch=micro_batch, num_accum=num_accum,
+                                    precision=precision)
     finally:
         kept.restore_all()
         streams.set(outer)
@@ -774,7 +988,7 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
         loss_couples=loss_couples, unexplained=unexplained, stochastic=stochastic, untested=untested,
         remedies=_remedies(modules, buffers, owners, loss_coupling, contract.step, norm_choices),
         seconds=time.perf_counter() - tic, causes=causes, loss_coupling=loss_coupling, mode=modes,
-        eval_modules=eval_modules)
+        eval_modules=eval_modules, precision=drift)
 
 
 def _causes(modules: list[Coupling], buffers: list[BufferDiff], loss_coupling: str, unexplained: bool) -> list[str]:
@@ -889,7 +1103,10 @@ def _listed(names: list[str], most: int) -> str:
 
 def render(r: Report, worst: int = 5) -> str:
     """The report for people: the verdict, what differs, the remedies."""
-    lines = [f"{'SAFE' if r.safe else 'UNSAFE'}: micro-batch {r.micro_batch} x {r.num_accum} accumulation steps "
+    verdict = "SAFE" if r.safe else "UNSAFE"
+    if r.safe and r.precision is not None and r.precision.worse:
+        verdict = f"SAFE in float32, IMPRECISE in {r.precision.precision}"
+    lines = [f"{verdict}: micro-batch {r.micro_batch} x {r.num_accum} accumulation steps "
              f"against one batch of {r.micro_batch * r.num_accum}, from the same weights and samples "
              f"({r.seconds:.1f} s)"]
     if r.mode == "keep":
@@ -940,4 +1157,27 @@ def render(r: Report, worst: int = 5) -> str:
         lines += ["why:", *(f"  {c}" for c in r.causes)]
     if r.remedies:
         lines += ["remedies:", *(f"  {m}" for m in r.remedies)]
+    if r.precision is not None:
+        lines += precision_lines(r.precision, r.micro_batch, r.num_accum)
     return "\n".join(lines)
+
+
+def precision_lines(d: PrecisionDrift, micro_batch: int, num_accum: int) -> list[str]:
+    """The precision section of a report: the two errors against float64, their ratio, the finding."""
+    n = micro_batch * num_accum
+    lines = [f"precision {d.precision}: {d.computes}",
+             "  relative error against float64 of the same step (the same weights, samples and micro-batches):",
+             f"  {f'accumulated, {num_accum} micro-batches of {micro_batch} summed in {d.summed_in}':<56} "
+             f"{d.accumulated_rel:.2g}",
+             f"  {f'one batch of {n}':<56} {d.big_rel:.2g}"]
+    if d.scale is not None:
+        lines.append(f"  loss scale {d.scale:g}" + (f", after {d.skipped} skipped steps (Inf or NaN at a larger scale)"
+                                                    if d.skipped else ""))
+    rule = f"above {WORSE_RATIO:g}x and by more than {d.floor:.2g}, one {d.dtype} rounding"
+    lines.append(f"  accumulated against one batch: {d.ratio:.2g}x, " + (
+        f"measurably worse ({rule})" if d.worse else f"within the rule (measurably worse: {rule})"))
+    if d.worse:
+        lines += [f"IMPRECISE: {num_accum} micro-batch gradients summed in {d.summed_in} are {d.ratio:.2g}x as far "
+                  f"from float64 as one batch of {n} ({d.accumulated_rel:.2g} against {d.big_rel:.2g})",
+                  f"  remedy: {d.remedy}"]
+    return lines

@@ -4,7 +4,8 @@
     gaexp-check model=resnet20 norm=bn                                   # a gaexp model and norm (config overrides)
 
 One training step from the same weights and samples, as one batch of b*k and as k micro-batches of b; the
-report names what differs and why. Exit status 0 safe, 1 unsafe, 2 bad input, 3 NaN or Inf in the step;
+report names what differs and why. Exit status 0 safe, 1 unsafe, 2 bad input, 3 NaN or Inf in the step, 4
+imprecise (under `--precision`, accumulation measurably further from float64 than the big batch; unsafe wins);
 `--json` for machines.
 """
 
@@ -17,6 +18,7 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,15 +31,18 @@ from torch.utils._pytree import tree_leaves
 
 from gaexp import targets
 from gaexp.batches import micro_batch_indices
-from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract
-from gaexp.config import CONFIG_DIR, DEVICES, DataConfig, composition_problem, typed, unknown_choice
+from gaexp.check import (LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract,
+                         precision_config)
+from gaexp.config import (ACCUMULATE_IN, CONFIG_DIR, DEVICES, FP32, DataConfig, PrecisionConfig, composition_problem,
+                          typed, unknown_choice)
 from gaexp.data import DataError, data_config, datasets
 from gaexp.datasets import describe, open_dataset
 from gaexp.model import ARGUMENTS, check_model, make_model
+from gaexp.precision import device_problem
 from gaexp.targets import TargetError
 from gaexp.train import resolve_device
 
-SAFE, UNSAFE, BAD_INPUT, NON_FINITE = 0, 1, 2, 3
+SAFE, UNSAFE, BAD_INPUT, NON_FINITE, IMPRECISE = 0, 1, 2, 3, 4
 DEFAULT_MICRO_BATCH, DEFAULT_ACCUM = 2, 4
 
 
@@ -50,6 +55,7 @@ class Subject:
     micro_batch: int
     num_accum: int
     data: DataConfig | None = None  # the dataset of --data (None: random inputs)
+    precision: PrecisionConfig | None = None  # a gaexp model's precision=, where its overrides name one
 
 
 def positive_ints(text: str, valid: str) -> tuple[int, ...]:
@@ -87,8 +93,10 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gaexp-check", description=(
         "Is this model safe to train with gradient accumulation? One training step from the same weights and "
         "samples, taken as one batch of b*k and as k micro-batches of b (each loss scaled by 1/k), compared: the "
-        "gradients, which modules couple the samples of a batch, the buffers, the loss. Exit status 0 safe, "
-        "1 unsafe, 2 bad input, 3 NaN or Inf in the step (its first appearance named)."))
+        "gradients, which modules couple the samples of a batch, the buffers, the loss (in float32, whatever the "
+        "--precision). Exit status 0 safe, 1 unsafe, 2 bad input, 3 NaN or Inf in the step (its first appearance "
+        "named), 4 imprecise: under --precision, the accumulated gradient measurably further from float64 than "
+        "the big batch's (1 wins over 4)."))
     p.add_argument("target", nargs="+", metavar="TARGET", help=(
         "an import path module:callable that returns a model (torchvision.models:resnet18, mypkg.nets:build), "
         "or gaexp config overrides naming a model and norm (model=resnet20 norm=bn; model=custom "
@@ -124,8 +132,64 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-modes", action="store_true", help=(
         "check the model with its training flags as they are (default: every module in training mode, as "
         "training runs; the report names the modules the model had in eval mode)"))
+    p.add_argument("--precision", type=_precision, default=None, help=(
+        f"the precision the model trains in, as gaexp's precision= ({', '.join(precisions())}; default: fp32, or "
+        "a gaexp model's precision= among the overrides): the check stays in float32, and the report adds the "
+        "step under it against float64, accumulated and as one batch"))
+    p.add_argument("--accumulate-in", choices=ACCUMULATE_IN, default=None, help=(
+        "where --precision bf16w sums a step's micro-batch gradients: param (in .grad, bf16) or fp32 (a float32 "
+        "buffer, rounded to bf16 once per step: gaexp's precision=bf16w-acc32) (default: param)"))
     p.add_argument("--json", action="store_true", help="print the report as JSON (numbers, null where not finite)")
     return p
+
+
+def _gaexp_precisions() -> dict[str, PrecisionConfig]:
+    """gaexp's precision= choices, conf/precision/'s files."""
+    return {path.stem: precision_config(path.stem) for path in sorted((Path(CONFIG_DIR) / "precision").glob("*.yaml"))}
+
+
+def precisions() -> list[str]:
+    """--precision's choices: gaexp's precisions whose gradients are summed where the weights are (the others are
+    these with --accumulate-in fp32): float32, the autocasts, then the low-precision weights."""
+    kept = {n: p for n, p in _gaexp_precisions().items() if p.accumulate_in == "param"}
+    return sorted(kept, key=lambda n: (n != FP32, kept[n].weights != FP32, n))
+
+
+def _precision(text: str) -> str:
+    if text in precisions():
+        return text
+    known = _gaexp_precisions().get(text)
+    hint = next((f" ({text} is --precision {base} --accumulate-in {known.accumulate_in})" for base in precisions()
+                 if known is not None and _accepts(base, known.accumulate_in)
+                 and precision_config(base, known.accumulate_in) == known), "")
+    raise argparse.ArgumentTypeError(f"{text!r}; valid: {', '.join(precisions())}{hint}")
+
+
+def precision_of(args: argparse.Namespace, subject: Subject) -> PrecisionConfig:
+    """What the step is measured under: --precision and --accumulate-in, or a gaexp model's precision= (not both)."""
+    flags = [f"--{name.replace('_', '-')} {value}" for name, value in (("precision", args.precision),
+                                                                    ("accumulate_in", args.accumulate_in)) if value]
+    if subject.precision is not None:
+        if flags:
+            raise CheckError(f"precision={subject.precision.name} among the overrides and {' '.join(flags)}; valid: "
+                             "one of them")
+        return subject.precision
+    name = args.precision or FP32
+    try:
+        return precision_config(name, args.accumulate_in)
+    except CheckError:
+        takes = [n for n in precisions() if _accepts(n, args.accumulate_in)]
+        raise CheckError(f"--accumulate-in {args.accumulate_in} with --precision {name}; valid: --accumulate-in "
+                         f"{args.accumulate_in} with --precision {', '.join(takes)}, param with any ({name}'s "
+                         "gradients are float32, summed in float32 already)") from None
+
+
+def _accepts(name: str, accumulate_in: str) -> bool:
+    try:
+        precision_config(name, accumulate_in)
+        return True
+    except CheckError:
+        return False
 
 
 def _sizes(args: argparse.Namespace, regime: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -159,7 +223,9 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
     check_model(c, shape, classes)
     torch.manual_seed(c.seed)
     name = f"model={c.model.name} norm={c.norm.name}"
-    return Subject(make_model(c, shape[0], classes), name, shape, b, k, c.data if args.data != "random" else None)
+    given_precision = any(o.split("=")[0].lstrip("+~").split(".")[0] == "precision" for o in overrides)
+    return Subject(make_model(c, shape[0], classes), name, shape, b, k, c.data if args.data != "random" else None,
+                   c.precision if given_precision else None)
 
 
 def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
@@ -297,15 +363,31 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
         subject = from_config(args.target, args) if overrides else from_import_path(args.target[0], args,
                                                                                     args.target[1:])
         loss = load_loss(args.loss)
+        precision = precision_of(args, subject)
+        problem = device_problem(precision, device) if precision.name != FP32 else None
+        if problem:
+            raise CheckError(problem)
         inputs, labels = make_data(subject, args, device)
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
                                     num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
-                                    modes="keep" if args.keep_modes else "train", norm_choices=overrides)
+                                    modes="keep" if args.keep_modes else "train", norm_choices=overrides,
+                                    precision=precision)
     except NonFiniteError as e:
         return NON_FINITE, render_nonfinite(e, subject, args, device)
     except (CheckError, TargetError, DataError, HydraException, OmegaConfBaseException, ValueError) as e:
         return BAD_INPUT, f"gaexp-check: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    return (SAFE if report.safe else UNSAFE), render(report, subject, args, device)
+    return status(report), render(report, subject, args, device)
+
+
+def status(report: Report) -> int:
+    """0 safe, 1 unsafe, 4 imprecise (accumulation measurably further from float64 than the big batch, under a
+    precision): a structural coupling wins, since the step is then not the big batch's at any precision."""
+    if not report.safe:
+        return UNSAFE
+    return IMPRECISE if report.precision is not None and report.precision.worse else SAFE
+
+
+VERDICTS = {SAFE: "safe", UNSAFE: "unsafe", NON_FINITE: "non-finite", IMPRECISE: "imprecise"}  # --json's verdict
 
 
 def _header(subject: Subject, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -317,7 +399,7 @@ def _header(subject: Subject, args: argparse.Namespace, device: torch.device) ->
 def render(report: Report, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:
     head = _header(subject, args, device)
     if args.json:
-        return json.dumps(_finite({**head, "verdict": "safe" if report.safe else "unsafe", **report.to_dict()}),
+        return json.dumps(_finite({**head, "verdict": VERDICTS[status(report)], **report.to_dict()}),
                           indent=1, allow_nan=False)
     return f"gaexp-check {subject.name}: {head['data']}, {device}, seed {args.seed}\n{report}"
 
@@ -326,7 +408,7 @@ def render_nonfinite(e: NonFiniteError, subject: Subject, args: argparse.Namespa
     """NaN or Inf in the step: one line saying where it first appeared (and no verdict on accumulation)."""
     head = _header(subject, args, device)
     if args.json:
-        return json.dumps({**head, "verdict": "non-finite", "safe": False, "micro_batch": subject.micro_batch,
+        return json.dumps({**head, "verdict": VERDICTS[NON_FINITE], "safe": False, "micro_batch": subject.micro_batch,
                            "num_accum": subject.num_accum, "nonfinite": e.where}, indent=1)
     return (f"gaexp-check {subject.name}: {head['data']}, {device}, seed {args.seed}\n"
             f"NON-FINITE: {e.where}; the step is not safe to train, with or without accumulation")

@@ -280,7 +280,7 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
               "machine", "redact", "cli", "config", "metrics", "configdocs", "targets", "data", "imagefolder", "batches", "precision",
               "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "engine", "train", "check",
               "tracking", "cell", "storegen", "server", "progress", "breakdown", "eta_replay", "tuning", "analysis", "ui", "compare",
-              "storebench", "bench", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
+              "storebench", "bench", "drift", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
           f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher"]
 THE_APP = ("gaexp.app", "gaexp.callbacks", "gaexp.__main__")  # what no plugin imports
 

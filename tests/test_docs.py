@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
-from gaexp import analysis, bench, check_cli, compare, datasets, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
+from gaexp import analysis, bench, check_cli, compare, datasets, drift, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
 from gaexp.config import job_config, composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +32,8 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-tuned": tuning.main,
            "gaexp.data": datasets.main, "gaexp.bench": bench.main, "gaexp.zoo": zoo.main, "gaexp.compare": compare.main,
            "gaexp.ui": ui.main, "gaexp.eta_replay": eta_replay.main, "gaexp.storegen": storegen.main,
-           "gaexp.storebench": storebench.main, "gaexp.server": server.main, "gaexp.gpucheck": gpucheck.main}
+           "gaexp.storebench": storebench.main, "gaexp.server": server.main, "gaexp.gpucheck": gpucheck.main,
+           "gaexp.drift": drift.main}
 NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet)\b")  # (needs: internet, once: ...) too
 
 
