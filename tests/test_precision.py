@@ -234,3 +234,30 @@ def test_a_cpu_without_bf16_instructions_is_said_to_be_slow(monkeypatch):
     assert slow_note(config(), CPU) is None
     monkeypatch.setattr(precision_module, "cpu_has_instructions", lambda dtype: True)
     assert slow_note(config("bf16"), CPU) is None
+
+
+# --- a run under a precision, as recorded -----------------------------------------------------------------
+
+def test_training_counts_a_skipped_step_and_reports_the_scale_at_each_evaluation(train_split, small_valid):
+    from gaexp.config import RegimeConfig, TrainConfig
+    from gaexp.train import train
+
+    model = net(at=3)  # the third micro-batch of the first step overflows
+    history = train(model, train_split, small_valid, TrainConfig(num_iterations=2, eval_period=1),
+                    RegimeConfig(4, 4), 1, precision=Precision(config(scaler=True), CPU))
+    assert [(p.step, p.loss_scale, p.skipped_steps) for p in history] == [(1, 2.0 ** 15, 1), (2, 2.0 ** 15, 1)]
+    plain = train(net(), train_split, small_valid, TrainConfig(num_iterations=1, eval_period=1), RegimeConfig(4, 4), 1)
+    assert (plain[0].loss_scale, plain[0].skipped_steps) == (None, None)  # no scaler: nothing of its own
+
+
+def test_an_fp16_run_records_its_precision_scale_and_skipped_steps(tmp_path, gaexp_command, training_runs):
+    done = gaexp_command(tmp_path, "norm=gn4", "regime=bs4a4", "precision=fp16", "data.holdout=64",
+                         "train.num_iterations=2", "train.eval_period=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    client, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    run = runs["fp16-gn4-bs4a4-s1"]
+    assert (run.data.tags["precision"], run.data.params["precision.autocast"], run.data.params["precision.scaler"]) \
+        == ("fp16", "fp16", "True")
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss_scale")] == \
+        [(1, 2.0 ** 16), (2, 2.0 ** 16)]
+    assert run.data.metrics["skipped_steps"] == 0
