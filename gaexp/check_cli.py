@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from gaexp import targets
+from gaexp.cli import positive_ints
 from gaexp.batches import micro_batch_indices
 from gaexp.check import (LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract,
                          precision_config)
@@ -56,17 +57,6 @@ class Subject:
     num_accum: int
     data: DataConfig | None = None  # the dataset of --data (None: random inputs)
     precision: PrecisionConfig | None = None  # a gaexp model's precision=, where its overrides name one
-
-
-def positive_ints(text: str, valid: str) -> tuple[int, ...]:
-    """Comma-separated positive integers, for argparse: refused in one line saying what is valid."""
-    try:
-        values = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}; valid: {valid}")
-    return values
 
 
 def _shape(text: str) -> tuple[int, ...]:

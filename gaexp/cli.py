@@ -19,6 +19,17 @@ STORE_FORMS = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
 FULL_CHECK_BYTES = 64 * 2**20
 
 
+def positive_ints(text: str, valid: str) -> tuple[int, ...]:
+    """Comma-separated positive integers, for argparse: refused in one line saying what is valid."""
+    try:
+        values = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}; valid: {valid}")
+    return values
+
+
 def default_store() -> str:
     """The store a sweep started in this folder writes (paths.outputs=outputs), as an absolute SQLite URI."""
     return "sqlite:///" + str(Path("outputs/mlflow.db").resolve())

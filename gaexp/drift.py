@@ -42,11 +42,12 @@ import torch
 
 from gaexp import bench
 from gaexp.batches import Split, micro_batch_indices, micro_batches
+from gaexp.cli import positive_ints
 from gaexp.check import PrecisionDrift, dtype_name, precision_config, precision_drift, summed_in
 from gaexp.config import DEVICES, FP32, PrecisionConfig
 from gaexp.data import DataError, data_config
 from gaexp.datasets import open_dataset
-from gaexp.memory import peak_rss_bytes, reset_peak_rss
+from gaexp.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from gaexp.precision import DTYPES, Precision, cpu_has_instructions, device_problem
 from gaexp.train import accumulate, resolve_device
 
@@ -85,17 +86,6 @@ def errors(model: torch.nn.Module, split: Split, b: int, ks: Sequence[int], prec
     return rows
 
 
-def _rss_bytes() -> int | None:
-    """The process's resident set now (Linux's VmRSS), or None."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def training(model_name: str, norm: str, precision: str, b: int, k: int, steps: int, seed: int, device: str,
              data: str, root: str) -> tuple[float, int, int | None]:
     """Meant for a fresh process: `steps` optimizer steps of `k` micro-batches of `b` as a cell trains (the model
@@ -122,7 +112,7 @@ def training(model_name: str, norm: str, precision: str, b: int, k: int, steps: 
         before: int | None = torch.cuda.memory_allocated(where)
         torch.cuda.reset_peak_memory_stats(where)
     else:
-        before = _rss_bytes() if reset_peak_rss() else None
+        before = rss_bytes() if reset_peak_rss() else None
     step()
     tic = time.perf_counter()
     for _ in range(steps):
@@ -174,13 +164,7 @@ def table(rows: Sequence[tuple[str, list[str], list[str]]], ks: Sequence[int], t
 
 
 def _ks(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}; valid: accumulation steps as positive integers, e.g. 1,4,16")
-    return values
+    return positive_ints(text, "accumulation steps as positive integers, e.g. 1,4,16")
 
 
 def _precisions(text: str) -> tuple[str, ...]:

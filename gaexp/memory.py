@@ -43,15 +43,26 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size since the last reset (VmHWM), else since the process started."""
+def _status_bytes(field: str) -> int | None:
+    """A size of Linux's /proc/self/status (VmHWM, VmRSS), in bytes; None elsewhere."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the last reset (VmHWM), else since the process started."""
+    found = _status_bytes("VmHWM")
+    return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set now (VmRSS), or None where Linux's /proc is not there."""
+    return _status_bytes("VmRSS")
 
 
 def sample_bytes(model: torch.nn.Module, shape: tuple[int, int, int], samples: int = 2) -> float:

@@ -175,7 +175,7 @@ def run_model(name: str, seeds: Sequence[int], sizes: Sequence[int], timeout: fl
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    from gaexp.check_cli import positive_ints
+    from gaexp.cli import positive_ints
 
     return positive_ints(text, "square sizes, smallest first, e.g. 32,64,224")
 
