@@ -246,7 +246,8 @@ def test_studies_are_config_files():
     assert load_study("tune_lr").per_cell == ["lr"] and load_study("spec_resnet20").window_start == 200
     fixes = load_study("bn_fixes")
     assert fixes.norm_order[:4] == ["bn", "in", "ln", "in_affine"] and fixes.baselines == STUDY.baselines
-    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'spec', 'spec_cifar10', 'spec_resnet20', 'tune_lr'\]"):
+    assert load_study("precision").baselines == ["bn/bs16a1", "gn4/bs1a16"]  # the study's best norm there ran gn4
+    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'precision', 'spec', 'spec_cifar10', 'spec_resnet20', 'tune_lr'\]"):
         load_study("nope")
 
 

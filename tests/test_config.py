@@ -201,7 +201,8 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
-    assert PROTOCOL_COLUMNS == ["model.name", "model.target", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
+    assert PROTOCOL_COLUMNS == ["model.name", "model.target", "precision.autocast", "precision.weights",
+                                "precision.accumulate_in", "precision.scaler", "precision.name", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "accumulate", "data.dataset", "data.size", "data.channels",
                                 "data.mean", "data.std", "data.augment", "data.digest", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
@@ -359,7 +360,7 @@ def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm
     (["-m", "norm=bn,gn4", "regime=bs1a16,bs2a8"], "regime=bs2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, bs4a4; "
                                                   "for micro-batch 2 with 8 accumulation steps: regime.batch_size=2 "
                                                   "regime.num_accum=8"),
-    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, spec, spec_cifar10, spec_resnet20, "
+    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, precision, spec, spec_cifar10, spec_resnet20, "
                            "tune_lr"),
     (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, imagefolder, mnist, svhn"),
     (["norm=gn", "norm.groups=5", "regime.batch_size=2", "regime.num_accum=8", "train.lr=0.1", "data.path=/x",
