@@ -478,6 +478,7 @@ class Precisions:
     design: AnalysisConfig
     label: str  # what the runs trained on (Summary.label)
     note: str = ""  # precisions not compared, and why
+    over: str = ""  # the evaluations averaged, where not design.window_start's (a short budget: every one)
 
 
 def compare_precisions(data: pd.DataFrame, design: AnalysisConfig) -> Precisions:
@@ -486,8 +487,9 @@ def compare_precisions(data: pd.DataFrame, design: AnalysisConfig) -> Precisions
     reference = ADDED_DEFAULTS[PARTS[PRECISION]]
     others = [k for k in PROTOCOL if k not in [*PRECISION_KEYS, *design.per_cell, ENGINE]]
     base = data[data[PRECISION] == reference][others].drop_duplicates()
-    window = data[data.step > design.window_start]
-    window = window if not window.empty else data
+    window, over = data[data.step > design.window_start], ""
+    if window.empty:  # a short budget: every evaluation, as `summarize` takes it
+        window, over = data, f"every evaluation (none after step {design.window_start})"
     per_run = window.groupby(["norm", "regime", PRECISION, "seed"]).valid_acc.mean()
     precisions, differs = _order(data[PRECISION], [reference]), {}
     for precision in precisions[1:] if not base.empty else []:
@@ -511,14 +513,14 @@ def compare_precisions(data: pd.DataFrame, design: AnalysisConfig) -> Precisions
             row |= paired_verdict(acc, per_run[norm, regime, reference], design.margin / 100)
         rows.append(row)
     table = pd.DataFrame(rows, columns=["norm", "regime", PRECISION, "mean", "std", "seeds", *PAIRED_COLUMNS])
-    return Precisions(table, design, label_of(data[DATASET].iloc[0], data[MODEL].iloc[0]), "; ".join(notes))
+    return Precisions(table, design, label_of(data[DATASET].iloc[0], data[MODEL].iloc[0]), "; ".join(notes), over)
 
 
 def format_precisions(p: Precisions) -> str:
     """The precisions side by side as Markdown, a precision column beside norm and regime."""
     reference, margin = ADDED_DEFAULTS[PARTS[PRECISION]], p.design.margin
-    lines = [f"{p.label}: precisions side by side: mean valid accuracy % over evaluations at step > "
-             f"{p.design.window_start} and its std across seeds; the paired (same seed) difference to {reference} "
+    over = p.over or f"evaluations at step > {p.design.window_start}"
+    lines = [f"{p.label}: precisions side by side: mean valid accuracy % over {over} and its std across seeds; the paired (same seed) difference to {reference} "
              f"at the same norm and regime, in points with its 95% t-interval, and its verdict at ±{margin:g} points",
              "", f"| norm | regime | precision | mean % | std | seeds | vs {reference} | verdict (±{margin:g}) |",
              "|---|---|---|---|---|---|---|---|"]
