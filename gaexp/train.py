@@ -124,8 +124,9 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256,
     was_training = model.training
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=data.labels.device)
+    precision = precision or Precision.float32()
     for start in range(0, len(data.labels), batch_size):
-        with (precision or Precision.float32()).forward():
+        with precision.forward():
             logits = model(data.inputs(slice(start, start + batch_size)))
         correct += (logits.argmax(dim=1) == data.labels[start:start + batch_size]).sum()
     model.train(was_training)
