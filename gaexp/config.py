@@ -192,21 +192,46 @@ NORM_SCHEMAS = {schema.KIND: schema for schema in _schemas(NormConfig)}  # every
 
 # --- the other nodes ------------------------------------------------------------------------------
 
-def regime_name(batch_size: int, num_accum: int) -> str:
-    """bs1a16 for micro-batch 1 with 16 accumulation steps: derived, so overrides cannot mislabel it."""
-    return f"bs{batch_size}a{num_accum}"
+REGIME_NAME = re.compile(r"bs(?P<b>[1-9]\d*)a(?P<k>[1-9]\d*)|w(?P<w>[2-9]|[1-9]\d+)b(?P<wb>[1-9]\d*)a(?P<wk>[1-9]\d*)")
+
+
+def regime_name(batch_size: int, num_accum: int, replicas: int = 1) -> str:
+    """bs1a16 for micro-batch 1 with 16 accumulation steps; w2b8a1 for 2 data-parallel replicas of micro-batch 8
+    with 1 step: derived, so overrides cannot mislabel it."""
+    if replicas == 1:
+        return f"bs{batch_size}a{num_accum}"
+    return f"w{replicas}b{batch_size}a{num_accum}"
+
+
+def parse_regime(name: str) -> Optional[Tuple[int, int, int]]:
+    """(b, k, w) of a regime's name as `regime_name` writes it (bs3a5, w2b8a1), or None for any other string:
+    `regime=NAME` composes any of them (hydra_plugins/gaexp_regimes)."""
+    found = REGIME_NAME.fullmatch(name)
+    if found is None:
+        return None
+    if found["b"] is not None:
+        return int(found["b"]), int(found["k"]), 1
+    return int(found["wb"]), int(found["wk"]), int(found["w"])
 
 
 @dataclass
 class RegimeConfig(Checked):
     PREFIX: ClassVar[str] = "regime."
-    batch_size: int = key(MISSING, "micro-batch b", valid=at_least(1))
+    batch_size: int = key(MISSING, "micro-batch b (per replica)", valid=at_least(1))
     num_accum: int = key(MISSING, "accumulation steps k: each loss scaled by 1/k, a step every k micro-batches",
                          valid=at_least(1))
+    replicas: int = key(1, "data-parallel replicas w, one process each (torch.distributed: gloo on the CPU, NCCL on "
+                           "CUDA): a step's w*b*k samples, each replica's k micro-batches of b", valid=at_least(1),
+                        was=1)  # what every run recorded before replicas were a choice had
 
     @property
     def name(self) -> str:
-        return regime_name(self.batch_size, self.num_accum)
+        return regime_name(self.batch_size, self.num_accum, self.replicas)
+
+    @property
+    def samples(self) -> int:
+        """A step's samples over all replicas: the optimization batch w*b*k."""
+        return self.replicas * self.batch_size * self.num_accum
 
 
 AUTOCASTS = ("none", "bf16", "fp16")  # the forward's autocast dtype (none: the weights' own)
@@ -654,13 +679,12 @@ GROUPS = ("model", "norm", "regime", "precision", "data", "launch", "experiment"
 
 
 def _meaning(group: str, name: str) -> str:
-    """The overrides that mean an unknown name where it parses: gn5, bs2a8."""
+    """The overrides that mean an unknown name where it parses: gn5, w1b4a4."""
     if group == "norm" and re.fullmatch(r"gn\d+", name):
         return f"; for GroupNorm with {name[2:]} groups: norm=gn norm.groups={name[2:]}"
-    found = re.fullmatch(r"bs(\d+)a(\d+)", name) if group == "regime" else None
-    if found:
-        b, k = found.groups()
-        return f"; for micro-batch {b} with {k} accumulation steps: regime.batch_size={b} regime.num_accum={k}"
+    found = re.fullmatch(r"w(\d+)b(\d+)a(\d+)", name) if group == "regime" else None
+    if found and int(found[1]) == 1 and min(map(int, found.groups())) >= 1:  # one replica: no w in its name
+        return f"; one replica's name is {regime_name(int(found[2]), int(found[3]))}"
     return ""
 
 
@@ -678,8 +702,12 @@ def unknown_choice(overrides: Sequence[str], conf: Path = Path(CONFIG_DIR)) -> O
         if group in GROUPS:
             valid = sorted(p.stem for p in (conf / group).glob("*.yaml"))
             for name in (v.strip() for v in value.split(",")):
+                if group == "regime" and parse_regime(name) is not None:
+                    continue  # any regime by its name (hydra_plugins/gaexp_regimes)
                 if name and name not in valid and name != "null":
-                    return f"{key}={name}: no such {group}; valid: {', '.join(valid)}{_meaning(group, name)}"
+                    more = ", or any bsBaK or wWbBaK (w >= 2)" if group == "regime" else ""
+                    return (f"{key}={name}: no such {group}; valid: {', '.join(valid)}{more}"
+                            f"{_meaning(group, name)}")
     return None
 
 

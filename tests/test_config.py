@@ -14,16 +14,17 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from gaexp import tracking
-from gaexp.config import (OBJECTIVE_KEYS, PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
+from gaexp.config import (CONFIG_DIR, OBJECTIVE_KEYS, PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
                           composition_problem, hydra_overrides, runtime_keys, typed, unknown_choice)
 from gaexp.configdocs import DOCS_PAGE, markdown_table
 from gaexp.machine import cgroup_cpus, usable_cores
 from gaexp.model import SimpleModel
-from gaexp.layers import BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
+from gaexp.layers import BatchRenorm2d, CrossReplicaBatchNorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 from gaexp.norms import layer, NORMS
 from gaexp.train import train
 
-NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom"]
+NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom",
+                "bn_sync"]
 REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,6 +62,7 @@ NORM_LAYERS = {
     "bn_microeval": (MicroBatchEvalBatchNorm2d, dict(micro_batch=4)),
     "brn": (BatchRenorm2d, dict(num_accum=4, r_max=3.0, d_max=5.0)),
     "bn_kmom": (nn.BatchNorm2d, dict(momentum=1 - 0.9 ** (1 / 4))),
+    "bn_sync": (CrossReplicaBatchNorm2d, dict(momentum=0.1, affine=True, track_running_stats=True)),
 }
 NORM_TYPES = tuple({t for t, _ in NORM_LAYERS.values() if t is not None})
 
@@ -87,7 +89,8 @@ def test_every_cell_composes_and_trains(norm, regime, compose, train_split, smal
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # every tensor trained
     tracked = [int(m.num_batches_tracked) for m in layers if getattr(m, "track_running_stats", False)]
     assert tracked == ([2 * c.regime.num_accum] * 4 if kind in (nn.BatchNorm2d, PreciseBatchNorm2d,
-                                                               MicroBatchEvalBatchNorm2d, BatchRenorm2d) else [])
+                                                               MicroBatchEvalBatchNorm2d, BatchRenorm2d,
+                                                               CrossReplicaBatchNorm2d) else [])
 
 
 def test_norm_options_follow_the_regime(compose):
@@ -102,6 +105,34 @@ def test_norm_options_follow_the_regime(compose):
 def test_plain_overrides_of_batch_and_accumulation(compose):
     c = typed(compose("regime.batch_size=2", "regime.num_accum=8"))
     assert c.regime.name == regime_name(2, 8) == "bs2a8" and c.run_name == "bn-bs2a8-s1"
+
+
+@pytest.mark.parametrize("name,bkw", [("bs3a5", (3, 5, 1)), ("w2b8a1", (8, 1, 2)), ("w4b1a4", (1, 4, 4)),
+                                      ("bs4a4", (4, 4, 1)), ("w12b10a3", (10, 3, 12))])
+def test_any_regime_composes_by_its_name(compose, name, bkw):
+    c = typed(compose(f"regime={name}"))  # as MLflow names the runs (hydra_plugins/gaexp_regimes)
+    assert (c.regime.batch_size, c.regime.num_accum, c.regime.replicas) == bkw and c.regime.name == name
+    assert c.run_name == f"bn-{name}-s1" and c.regime.samples == bkw[0] * bkw[1] * bkw[2]
+
+
+@pytest.mark.parametrize("name,hint", [("w1b4a4", "; one replica's name is bs4a4"), ("bs0a1", ""), ("bs01a4", ""),
+                                       ("w2b8", ""), ("fast", "")])
+def test_other_regime_names_are_refused_in_one_line(name, hint):
+    assert unknown_choice([f"regime=bs1a16,{name}"]) == (
+        f"regime={name}: no such regime; valid: bs16a1, bs1a1, bs1a16, bs4a4, or any bsBaK or wWbBaK (w >= 2){hint}")
+    assert unknown_choice(["regime=bs1a16,bs3a5,w2b8a1"]) is None  # a sweep of mixed pairs is written as it reads
+
+
+def test_the_regime_source_serves_gaexp_alone(tmp_path):
+    """Another Hydra app in the same environment has no regime source on its search path; gaexp has."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    def providers(config_dir: str) -> list[str]:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            return [e.provider for e in GlobalHydra.instance().config_loader().get_search_path().get_path()]
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    assert "gaexp-regimes" not in providers(str(tmp_path)) and "gaexp-regimes" in providers(CONFIG_DIR)
 
 
 def test_the_data_group_names_the_dataset_in_tags_and_names(compose):
@@ -279,10 +310,11 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "cli", "config", "metrics", "configdocs", "targets", "data", "imagefolder", "batches", "precision",
-              "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "engine", "train", "check",
+              "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "replicas", "engine", "train", "check",
               "tracking", "cell", "storegen", "server", "progress", "breakdown", "eta_replay", "tuning", "analysis", "ui", "compare",
               "storebench", "bench", "drift", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
-          f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher"]
+          f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
+          "hydra_plugins.gaexp_regimes.source"]
 THE_APP = ("gaexp.app", "gaexp.callbacks", "gaexp.__main__")  # what no plugin imports
 
 
@@ -355,12 +387,11 @@ def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["norm=gn5"], "norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, custom, gn, gn16, gn4, "
+    (["norm=gn5"], "norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, bn_sync, brn, custom, gn, gn16, gn4, "
                    "in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5"),
-    (["-m", "norm=bn,gn4", "regime=bs1a16,bs2a8"], "regime=bs2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, bs4a4; "
-                                                  "for micro-batch 2 with 8 accumulation steps: regime.batch_size=2 "
-                                                  "regime.num_accum=8"),
-    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, precision, spec, spec_cifar10, spec_resnet20, "
+    (["-m", "norm=bn,gn4", "regime=bs1a16,w1b2a8"], "regime=w1b2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, "
+                                                    "bs4a4, or any bsBaK or wWbBaK (w >= 2); one replica's name is bs2a8"),
+    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, dp, precision, spec, spec_cifar10, spec_resnet20, "
                            "tune_lr"),
     (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, imagefolder, mnist, svhn"),
     (["norm=gn", "norm.groups=5", "regime.batch_size=2", "regime.num_accum=8", "train.lr=0.1", "data.path=/x",
@@ -396,7 +427,7 @@ def test_the_command_refuses_an_unknown_choice_in_one_line_before_hydra_starts(m
     monkeypatch.setattr(app, "main", lambda: pytest.fail("Hydra started on an unknown choice"))
     with pytest.raises(SystemExit) as stop:
         app.cli(["-m", "norm=gn5", "seed=1,2"])
-    assert str(stop.value) == ("error: norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, custom, "
+    assert str(stop.value) == ("error: norm=gn5: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, bn_sync, brn, custom, "
                                "gn, gn16, gn4, in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5")
     with pytest.raises(SystemExit, match=r"^error: train.lrr: no key 'lrr' in train; valid: "):
         app.cli(["train.lrr=0.1"])

@@ -34,7 +34,7 @@ def test_registry_keeps_the_study_defaults():
 
 def test_unknown_norm_lists_valid_names():
     with pytest.raises(ValueError, match=r"norm.name='layernorm'; valid: \['bn', 'bn_kmom', 'bn_microeval', "
-                                         r"'bn_precise', 'brn', 'gn', 'gn16', 'gn4', 'in', 'in_affine', 'ln', 'none'\]"):
+                                         r"'bn_precise', 'bn_sync', 'brn', 'gn', 'gn16', 'gn4', 'in', 'in_affine', 'ln', 'none'\]"):
         norm2d("layernorm", 32)
 
 

@@ -253,7 +253,7 @@ def test_missing_and_corrupted_data_name_the_file_and_md5(store, compose, data_r
 def test_the_command_refuses_bad_input_in_one_line_and_records_nothing(tmp_path, gaexp_command):
     unknown = gaexp_command(tmp_path, "norm=batchnorm")
     assert unknown.returncode == 1 and unknown.stderr.strip().splitlines() == [  # one line, not Hydra's 21
-        "error: norm=batchnorm: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, brn, custom, gn, gn16, gn4, "
+        "error: norm=batchnorm: no such norm; valid: bn, bn_kmom, bn_microeval, bn_precise, bn_sync, brn, custom, gn, gn16, gn4, "
         "in, in_affine, ln, none"]
     out_of_range = gaexp_command(tmp_path, "regime=bs4a4", "regime.batch_size=0")
     assert out_of_range.returncode == 1
