@@ -31,7 +31,7 @@ from scipy import stats  # noqa: E402
 
 from gaexp import cli, metrics  # noqa: E402
 from gaexp.norms import ORDER as DECLARED_ORDER  # noqa: E402
-from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig  # noqa: E402
+from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig, parse_regime  # noqa: E402
 from gaexp.tracking import PLAN_ROLE, SINGLE_RUN, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
 
 
@@ -239,7 +239,7 @@ def select(collected: Collected, **wanted: str | None) -> Collected:
 
 
 def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
-    """Per regime: micro-batch, effective batch, activation memory per micro-batch, speed, peaks. The activation
+    """Per regime: micro-batch (per replica), effective batch (w*b*k over the replicas), activation memory per micro-batch, speed, peaks. The activation
     column is what the loop holds whichever engine ran; runs of accumulate=batched add what they held
     (`batched_*` columns: the b*k samples of a step, and their process peaks, never the loop's)."""
     table = runs.groupby("regime").agg(
@@ -248,7 +248,8 @@ def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
         wall_seconds=("wall_seconds", "mean"), peak_rss_mb=("peak_rss_mb", "max"),
         cuda_max_mem_mb=("cuda_max_mem_mb", "max"), batched_activation_mb=("batched_activation_mb", "mean"),
         batched_peak_rss_mb=("batched_peak_rss_mb", "max"), batched_cuda_max_mem_mb=("batched_cuda_max_mem_mb", "max"))
-    table.insert(1, "effective_batch", table.micro_batch * table.num_accum)
+    replicas = [(parse_regime(str(name)) or (0, 0, 1))[2] for name in table.index]  # w2b8a1: 2; bs16a1: 1
+    table.insert(1, "effective_batch", table.micro_batch * table.num_accum * replicas)
     table = table.drop(columns="num_accum").reindex(_order(table.index, design.regime_order))
     if design.reference in table.index:
         table.insert(3, f"activation_vs_{design.reference}", table.activation_mb / table.activation_mb[design.reference])

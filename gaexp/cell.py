@@ -8,20 +8,23 @@ for a trial.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, engine, liveness, metrics, norms, precision, redact, tracking, trial
+from gaexp import datasets, engine, liveness, metrics, norms, precision, redact, replicas, tracking, trial
 from gaexp.batched import coupled_layers
 from gaexp.batches import Split
 from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
@@ -134,7 +137,8 @@ def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")
-    problem = precision.device_problem(c.precision, device)
+    problem = (precision.device_problem(c.precision, device)
+               or replicas.problem(c.regime.replicas, c.precision, c.compile, device))
     if problem is not None:
         raise ValueError(problem)
     compile_phases(c.compile, c.norm.name, device)
@@ -240,8 +244,11 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     reports each evaluation to its study; when pruned, its run ends KILLED and `Stopped` is raised (the
     app tells the sweeper)."""
     compiled = compile_phases(c.compile, c.norm.name, device)
+    if c.regime.replicas > 1:  # under DDP a replica's training runs eager (`replicas.problem` refuses compile=all)
+        compiled -= {"train"}
     tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
-            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "accumulate": c.accumulate,
+            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "replicas": c.regime.replicas,
+            "accumulate": c.accumulate,
             "precision": c.precision.name,
             engine.SETTING_TAG: choice.setting, **({} if in_sweep else {tracking.SINGLE_RUN: "true"}),
             **({tracking.CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
@@ -272,8 +279,9 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                      *([StopWhenSweepGone(watch)] if (watch := liveness.sweep_watch()) is not None else [])]
             tic = time.perf_counter()
             try:
-                history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
-                                c.accumulate, precision.Precision(c.precision, device))
+                with team(c, device) as group:
+                    history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
+                                    c.accumulate, precision.Precision(c.precision, device), group)
             except DivergedError as e:
                 client.set_tag(run_id, "diverged_step", str(e.step))
                 raise
@@ -292,6 +300,57 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
         raise
     log.info("%s: final valid_acc %.4f (run %s)", c.run_name, history[-1].valid_acc, run_id)
     return returned_value(c, [(p.step, p.valid_acc) for p in history])
+
+
+@contextlib.contextmanager
+def team(c: Config, device: torch.device) -> Iterator[replicas.Replicas | None]:
+    """For a cell of w > 1 replicas (gaexp/replicas.py): ranks 1..w-1 started (`replica_main`), set up and met,
+    this process rank 0 of the process group; on the way out each of them ended, and none left running whatever
+    happened. A replica that failed or died is the cell's error, naming its rank. None for one replica."""
+    w = c.regime.replicas
+    if w == 1:
+        yield None
+        return
+    store, note = replicas.open_store(w)
+    if note is not None:
+        log.warning("%s", note)
+    with replicas.Team(replica_main, (c, store.port, torch.get_num_threads()), w) as others:
+        group = None
+        try:
+            others.wait_ready(store)
+            group = replicas.join(0, w, store, device)
+            yield group
+            others.finish()
+        except BaseException as e:
+            if not isinstance(e, replicas.ReplicaError):
+                others.check(wait_s=5.0)  # rank 0's error may be a replica's death seen from here: that one's
+            raise
+        finally:
+            if group is not None:
+                group.close()
+
+
+def replica_main(index: int, c: Config, port: int, threads: int) -> None:
+    """Rank index + 1 of a cell (`team`), in a process of its own: its data and model built as rank 0's, then
+    trained in the process group; it records nothing."""
+    import torch.distributed as dist
+
+    rank, w = index + 1, c.regime.replicas
+    torch.set_num_threads(threads)
+    device = replicas.replica_device(resolve_device(c.device), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if c.deterministic:
+            deterministic_cuda()
+    model, train_data, _ = build(c, datasets.open_dataset(c.data, progress=False), device)
+    store = dist.TCPStore(replicas.HOST, port, w, False, timeout=datetime.timedelta(seconds=replicas.SETUP_TIMEOUT_S))
+    store.set(replicas.READY.format(rank), "1")
+    group = replicas.join(rank, w, store, device)
+    try:
+        train(model, train_data, None, c.train, c.regime, c.seed, (), frozenset(), c.accumulate,
+              precision.Precision(c.precision, device), group)
+    finally:
+        group.close()
 
 
 def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
@@ -314,6 +373,10 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     if device.type == "cuda" and c.deterministic:
         deterministic_cuda()
     threads = threads_for(c.threads, c.cells_at_once)  # the launch config says how many cells share the cores
+    if c.regime.replicas > 1:  # the cell's threads shared among its replicas
+        threads = replicas.threads_each(threads, c.regime.replicas)
+        if (line := replicas.oversubscribed(c.regime.replicas, usable_cores())) is not None:
+            log.warning("%s", line)
     if threads:
         torch.set_num_threads(threads)
     client = MlflowClient(c.mlflow.tracking_uri)

@@ -24,7 +24,7 @@ MEASURED = metrics.MEASURED  # vary run to run
 PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat",  # where and when,
               CELL_START, engine.SETTING_TAG, SINGLE_RUN}  # and how it was asked (the engine used is the tag accumulate): not what
 ADDED_TAGS = {**{tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()},  # tags runs recorded before them lack:
-              "accumulate": ADDED_DEFAULTS["accumulate"]}  # this value
+              "accumulate": ADDED_DEFAULTS["accumulate"], "replicas": ADDED_DEFAULTS["regime.replicas"]}  # this value
 
 
 def same_tag(name: str, left: str | None, right: str | None) -> bool:

@@ -97,6 +97,55 @@ class BatchRenorm2d(nn.BatchNorm2d):
         return x_hat * self.weight[:, None, None] + self.bias[:, None, None]
 
 
+class CrossReplicaBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose training statistics span every replica's micro-batch (norm=bn_sync): what
+    `nn.SyncBatchNorm` computes, on any backend (it refuses CPU tensors). Each replica's per-channel count, mean and
+    centred sum of squares are summed over `process_group` by torch.distributed's autograd-aware all-reduce, so the
+    backward carries every replica's share of the statistics' gradient. Its running statistics are updated with
+    the global mean and unbiased variance: the same on every replica. Outside a process group of two or more (one
+    replica, evaluation) it is `nn.BatchNorm2d`, the same calls."""
+
+    process_group = None  # set by gaexp/replicas.py (`Replicas.wrap`): None, the default group
+
+    def __getstate__(self) -> dict:
+        """Pickled (the run's logged model) without its process group, which lives only as long as the cell."""
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k != "process_group"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size(self.process_group) > 1):
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32  # as BatchNorm under autocast
+        xs = x.to(compute)
+        count = xs.numel() // xs.size(1)
+        local_mean = xs.mean(dim=(0, 2, 3))
+        centred = (xs - local_mean.view(1, -1, 1, 1)).square().sum(dim=(0, 2, 3))
+        n = torch.full_like(local_mean[:1], count)
+        total = all_reduce(torch.cat([n, n * local_mean, centred + n * local_mean.square()]),
+                           group=self.process_group)
+        c = self.num_features
+        size = total[0]
+        mean = total[1:1 + c] / size
+        var = (total[1 + c:] / size - mean.square()).clamp_min(0)  # biased: what normalizes, as BatchNorm's
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum)
+                unbiased = var * size / (size - 1).clamp_min(1)
+                self.running_mean.mul_(1 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased.detach().to(self.running_var.dtype), alpha=factor)
+        y = (xs - mean.view(1, -1, 1, 1)) * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
+        if self.affine:
+            y = y * self.weight.to(compute).view(1, -1, 1, 1) + self.bias.to(compute).view(1, -1, 1, 1)
+        dtype = x.dtype if self.weight is None or x.dtype == torch.float64 else self.weight.dtype
+        return y.to(dtype)
+
+
 @torch.no_grad()
 def precise_statistics(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
     """PreciseBN: set every PreciseBatchNorm2d's running mean and variance to the exact mean and

@@ -92,6 +92,9 @@ NORMS: dict[str, Norm] = {
                 remedy="Batch Renorm: training corrected towards the running statistics",
                 in_your_model="Batch Renorm in place of BatchNorm (training corrected towards the running "
                               "statistics)"),
+    # data parallelism's synchronized BatchNorm: statistics over every replica's micro-batch (regime.replicas);
+    # one replica: BatchNorm, the same calls. No remedy for accumulation, whose micro-batches are one at a time.
+    "bn_sync": Norm(_lazy("gaexp.layers:CrossReplicaBatchNorm2d"), couples=True),
     "bn_kmom": Norm(_lazy("gaexp.layers:kmom_batchnorm"), couples=True, options=KMomentumBNConfig),
     "gn": Norm(lambda channels, groups: _lazy("torch.nn:GroupNorm", groups)(channels), couples=False,
                options=GroupNormConfig),  # any group count: norm=gn norm.groups=8

@@ -20,6 +20,7 @@ from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import compiled_training
 from gaexp.precision import Precision
+from gaexp.replicas import Replicas, accumulate_replicated, replica_draws
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +107,14 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     return total / num_accum
 
 
-def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Callable[..., torch.Tensor]:
+def step_function(engine: str, model: torch.nn.Module, batch_size: int,
+                  replicated: bool = False) -> Callable[..., torch.Tensor]:
     """What computes an optimizer step's gradient for `accumulate=engine`, called as `accumulate` is:
-    loop, `accumulate`; batched, `accumulate_batched` with the model's coupling layers chunked by
-    `batch_size` (gaexp/batched.py; a model it cannot chunk exactly is refused)."""
+    loop, `accumulate` (`replicated`: under DDP, `accumulate_replicated`); batched, `accumulate_batched` with the
+    model's coupling layers chunked by `batch_size` (gaexp/batched.py; a model it cannot chunk exactly is
+    refused): one backward, so under DDP one all-reduce, as it is."""
     if engine == "loop":
-        return accumulate
+        return accumulate_replicated if replicated else accumulate
     if engine == "batched":
         return functools.partial(accumulate_batched, chunking=Chunking(model, batch_size))
     raise ValueError(f"accumulate={engine!r}; valid: {', '.join(ENGINES)}")
@@ -133,14 +136,18 @@ def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256,
     return correct.item() / len(data.labels)
 
 
-def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: TrainConfig, regime: RegimeConfig,
-          seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset(),
-          engine: str = "loop", precision: Precision | None = None) -> list[EvalPoint]:
+def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, cfg: TrainConfig,
+          regime: RegimeConfig, seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset(),
+          engine: str = "loop", precision: Precision | None = None,
+          replicas: Replicas | None = None) -> list[EvalPoint]:
     """Adam on `cfg.num_iterations` optimizer steps of `regime.num_accum` micro-batches of `regime.batch_size`,
-    in the data order of `seed` (and its augmentation, `train_data.augment`), each step's micro-batches computed by `engine` (`step_function`); evaluates
-    every `cfg.eval_period` steps and at the last step. The phases in `compiled` run through torch.compile,
-    one static graph per shape (Inductor caches them on disk). `precision` (default fp32, gaexp/precision.py):
-    the model and data already in its weights' dtype; a step its scaler skips is counted, not retried."""
+    in the data order of `seed` (and its augmentation, `train_data.augment`), each step's micro-batches computed by
+    `engine` (`step_function`); evaluates every `cfg.eval_period` steps and at the last step. The phases in
+    `compiled` run through torch.compile, one static graph per shape (Inductor caches them on disk). `precision`
+    (default fp32, gaexp/precision.py): the model and data already in its weights' dtype; a step its scaler skips
+    is counted, not retried. `replicas` (gaexp/replicas.py): this process is one of w data-parallel replicas, the
+    model under DDP, its micro-batches its share of each step's; the train loss is the replicas' mean, and only
+    rank 0 evaluates (`valid_data` None elsewhere)."""
     if compiled:  # a worker process runs many cells: start each with no graphs in memory, or Dynamo's
         torch._dynamo.reset()  # recompile limit would silently turn later cells eager (Inductor's disk cache stays)
     forward = torch.compile(model, dynamic=False) if "train" in compiled else model
@@ -148,8 +155,11 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     precision = precision or Precision.float32()
     precision.prepare(model)
-    gradient = step_function(engine, model, regime.batch_size)
+    gradient = step_function(engine, model, regime.batch_size, replicated=replicas is not None)
     batches = micro_batches(len(train_data), regime.batch_size, seed, train_data.augment, train_data.labels.device)
+    if replicas is not None:
+        forward, batches = replicas.wrap(forward), replica_draws(batches, replicas.rank, replicas.world,
+                                                                 regime.num_accum)
     losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's mean unscaled loss
     history: list[EvalPoint] = []
     train_seconds, tic = 0.0, time.perf_counter()
@@ -164,15 +174,17 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split, cfg: Tra
             if step % cfg.eval_period and step < cfg.num_iterations:
                 continue
             train_seconds += time.perf_counter() - tic  # evaluations are left out of the training rate
-            for hook in hooks:
-                hook.before_eval(model, step)
-            train_loss = losses[max(0, step - cfg.loss_window):step].mean().item()
-            samples_per_sec = step * regime.batch_size * regime.num_accum / train_seconds
-            history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size,
-                                                                precision), samples_per_sec,
-                                     precision.scale, precision.skipped if precision.scaler.is_enabled() else None))
-            for hook in hooks:
-                hook.after_eval(history[-1])
+            window = losses[max(0, step - cfg.loss_window):step]
+            train_loss = (window if replicas is None else replicas.mean(window)).mean().item()
+            if valid_data is not None:
+                for hook in hooks:
+                    hook.before_eval(model, step)
+                samples_per_sec = step * regime.samples / train_seconds
+                history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size,
+                                                                    precision), samples_per_sec, precision.scale,
+                                         precision.skipped if precision.scaler.is_enabled() else None))
+                for hook in hooks:
+                    hook.after_eval(history[-1])
             tic = time.perf_counter()
     finally:
         for hook in hooks:
