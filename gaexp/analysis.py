@@ -363,6 +363,7 @@ class Summary:
     window_note: str = ""  # why the table averages other evaluations than design.window_start says, if it does
     engines: str = ""  # which cells ran which engine, where they differ (accumulate=auto fell back for some)
     precision: str = ""  # and their one precision
+    twins: pd.DataFrame = field(default_factory=pd.DataFrame)  # per norm and DP regime: against its accumulation twin
 
     @property
     def label(self) -> str:
@@ -448,7 +449,37 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
     return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
-                   data[MODEL].iloc[0], window_note, engines_note(data, norms, regimes), data[PRECISION].iloc[0])
+                   data[MODEL].iloc[0], window_note, engines_note(data, norms, regimes), data[PRECISION].iloc[0],
+                   twins(per_run, norms, columns, design.margin / 100))
+
+
+SYNCHRONIZED = ("bn_sync",)  # norms whose statistics span the replicas: their normalization batch is w*b
+
+
+def twin_of(regime: str) -> str | None:
+    """A data-parallel regime's accumulation twin: w replicas of b with k steps take each step's samples of
+    (b, w*k) (gaexp/replicas.py); None for a regime of one replica or a name that does not parse."""
+    parsed = parse_regime(regime)
+    if parsed is None or parsed[2] == 1:
+        return None
+    b, k, w = parsed
+    return f"bs{b}a{w * k}"
+
+
+def twins(per_run: pd.Series, norms: Sequence[str], columns: Sequence[str], margin: float) -> pd.DataFrame:
+    """Each data-parallel cell of the table against its accumulation twin (`twin_of`), paired on the seed, with
+    its normalization batch (b, or w*b where the norm is synchronized) and optimization batch (w*b*k)."""
+    rows, per_run = [], per_run.sort_index()
+    for norm in norms:
+        for regime in columns:
+            twin = twin_of(regime)
+            if twin is None or (norm, regime) not in per_run.index or (norm, twin) not in per_run.index:
+                continue
+            b, k, w = parse_regime(regime)
+            pair = paired_verdict(per_run[norm, regime], per_run[norm, twin], margin)
+            rows.append({"norm": norm, "regime": regime, "twin": twin,
+                         "norm_batch": w * b if norm in SYNCHRONIZED else b, "opt_batch": w * b * k, **pair})
+    return pd.DataFrame(rows, columns=["norm", "regime", "twin", "norm_batch", "opt_batch", *PAIRED_COLUMNS])
 
 
 def engines_note(data: pd.DataFrame, norms: Sequence[str], regimes: Sequence[str]) -> str:
@@ -655,6 +686,17 @@ def format_table(summary: Summary) -> str:
             sds = "n/a" if pd.isna(p.sd_a) else f"{100 * p.sd_a:.2f} / {100 * p.sd_b:.2f}"
             lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {sds} | {p.pairs} | "
                          f"{verdict_text(p.verdict, p.seeds_needed)} |")
+    if not summary.twins.empty:
+        margin = summary.design.margin
+        lines += ["", "Data-parallel cells against their accumulation twins (b, w*k: the same samples in every step), "
+                  "paired (same seed), percentage points, 95% t-interval; normalization batch (b per replica, w*b "
+                  f"synchronized) and optimization batch (w*b*k); verdict at ±{margin:g} points", "",
+                  f"| norm | regime | twin | norm batch | opt batch | diff | 95% CI | pairs | verdict (±{margin:g}) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for p in summary.twins.itertuples():
+            ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
+            lines.append(f"| {p.norm} | {p.regime} | {p.twin} | {p.norm_batch} | {p.opt_batch} | {100 * p.diff:+.2f} | "
+                         f"{ci} | {p.pairs} | {verdict_text(p.verdict, p.seeds_needed)} |")
     if len(summary.ranking) > 1:
         lines += ["", format_ranking(summary.ranking, summary.design)]
     if summary.missing:
@@ -718,6 +760,9 @@ def export_tables(collected: Collected, summary: Summary, out: Path) -> list[Pat
     summary.paired.to_csv(written[3], index=False)
     collected.data.to_csv(written[4], index=False)
     summary.ranking.to_csv(written[5], index=False)
+    if not summary.twins.empty:  # data-parallel cells against their accumulation twins
+        summary.twins.to_csv(out / "twins.csv", index=False)
+        written.append(out / "twins.csv")
     return written
 
 

@@ -68,6 +68,12 @@ def expected_seconds(batch_size: int, num_accum: int, num_iterations: int, eval_
     return CELL_S + model_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
 
 
+def replica_work(num_accum: int, replicas: int) -> int:
+    """The micro-batches of b a step computes over all its replicas: w replicas of k cost the cores what
+    accumulation's w*k does (and count as w cores when cells share a machine)."""
+    return num_accum * replicas
+
+
 def graph_keys(phases: Iterable[str], model: str, dataset: str, norm: str, batch_size: int,
                accumulate: str) -> frozenset[tuple[str, ...]]:
     """The graphs a cell compiles (`phases`: "train", "eval"): evaluation's depend on the model, data
@@ -84,8 +90,10 @@ def graph_units(keys: Iterable[tuple[str, ...]]) -> float:
 
 
 def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
-    """`expected_seconds` of a cell's run, from its tags and logged config."""
-    return expected_seconds(int(tags["batch_size"]), int(tags["num_accum"]), int(params["train.num_iterations"]),
+    """`expected_seconds` of a cell's run, from its tags and logged config (w replicas: their core-seconds, as
+    `replica_work` counts them)."""
+    return expected_seconds(int(tags["batch_size"]), replica_work(int(tags["num_accum"]), int(tags.get("replicas", 1))),
+                            int(params["train.num_iterations"]),
                             int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
                             float(params.get("model.cost", 1.0)), tags.get("accumulate", "loop"))
 

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, server, tracking
 from gaexp.batches import Split
-from gaexp.config import CONFIG_DIR
+from gaexp.config import CONFIG_DIR, parse_regime
 from gaexp.data import DataError, data_config, ensure_data
 from gaexp.datasets import Dataset, open_dataset
 from gaexp.hooks import EvalPoint
@@ -235,8 +235,9 @@ def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", st
             num_iterations=900, eval_period=300, summary=None, lr=0.001, dataset=None, model=None, precision=None):
     """A run as gaexp records it; without `dataset`, `model` or `precision` (a conf/precision/ name), as runs were
     recorded before these were a choice."""
-    b, k = {"bs16a1": (16, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs1a1": (1, 1)}[regime]
-    tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep}
+    b, k, w = parse_regime(regime)
+    tags = {"norm": norm, "regime": regime, "seed": seed, "batch_size": b, "num_accum": k, "sweep_id": sweep,
+            **({"replicas": w} if w > 1 else {})}
     if dataset:
         tags["dataset"] = dataset
     if model:

@@ -241,13 +241,41 @@ def test_missing_and_failed_runs_are_reported_not_averaged(store, tmp_path):
     assert "Excluded runs (not FINISHED): gn4-bs4a4-s1 (FAILED)" in text
 
 
+def test_data_parallel_cells_against_their_accumulation_twins(tmp_path):
+    """Each DP column paired with its twin (b, w*k) of the same seeds, with its normalization and optimization
+    batches; a DP cell whose twin did not run has no row."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
+    client = MlflowClient(uri)
+    for seed, (dp, twin, sync, big) in enumerate([(0.950, 0.951, 0.970, 0.972), (0.960, 0.958, 0.975, 0.974),
+                                                  (0.955, 0.956, 0.972, 0.973)], start=1):
+        for norm, regime, acc in [("bn", "w4b1a4", dp), ("bn", "bs1a16", twin), ("bn_sync", "w4b1a4", sync),
+                                  ("bn", "bs16a1", big), ("bn_sync", "bs16a1", big), ("bn", "w2b8a1", dp)]:
+            add_run(client, experiment_id, norm, regime, seed, (acc,) * 3)
+    design = AnalysisConfig(table_columns=["bs16a1", "bs1a16", "w4b1a4", "w2b8a1"], margin=0.5)
+    summary = summarize(collect(client, "gaexp").data, design)
+    twins = summary.twins.set_index(["norm", "regime"])
+    assert list(twins.index) == [("bn", "w4b1a4")]  # bn/w2b8a1's twin bs8a2 and bn_sync's bs1a16 did not run
+    row = twins.loc["bn", "w4b1a4"]
+    assert (row.twin, row.norm_batch, row.opt_batch, row.pairs) == ("bs1a16", 1, 16, 3)
+    assert row["diff"] == pytest.approx(0.0) and row.verdict == "equivalent"
+    text = analysis.format_table(summary)
+    assert "| bn | w4b1a4 | bs1a16 | 1 | 16 | +0.00 |" in text
+    assert analysis.twin_of("w4b1a4") == "bs1a16" and analysis.twin_of("w2b4a2") == "bs4a4"
+    assert analysis.twin_of("bs4a4") is None and analysis.twin_of("mine") is None
+    synchronized = analysis.twins(pd.Series({("bn_sync", "w4b1a4", 1): 0.9, ("bn_sync", "bs1a16", 1): 0.9}),
+                                  ["bn_sync"], ["w4b1a4"], 0.005)
+    assert synchronized.norm_batch.tolist() == [4]  # statistics over the 4 replicas' micro-batches of 1
+
+
 def test_studies_are_config_files():
     assert load_study("spec") == STUDY
     assert load_study("tune_lr").per_cell == ["lr"] and load_study("spec_resnet20").window_start == 200
     fixes = load_study("bn_fixes")
     assert fixes.norm_order[:4] == ["bn", "in", "ln", "in_affine"] and fixes.baselines == STUDY.baselines
     assert load_study("precision").baselines == ["bn/bs16a1", "gn4/bs1a16"]  # the study's best norm there ran gn4
-    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'precision', 'spec', 'spec_cifar10', 'spec_resnet20', 'tune_lr'\]"):
+    assert load_study("dp").table_columns == ["bs16a1", "bs1a16", "bs4a4", "bs8a2", "w2b8a1", "w4b4a1", "w2b4a2", "w4b1a4"]
+    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'dp', 'precision', 'spec', 'spec_cifar10', 'spec_resnet20', 'tune_lr'\]"):
         load_study("nope")
 
 

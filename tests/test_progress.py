@@ -34,6 +34,14 @@ def test_expected_seconds_orders_the_study_regimes_as_the_measured_grid():
         2 * 10_000 * progress.EVAL_IMAGE_S)  # 4 evaluations (3, 6, 9, 10) against 2
 
 
+def test_a_data_parallel_cell_costs_the_cores_of_its_accumulation_twin():
+    """w replicas of k micro-batches of b: the core-seconds of accumulation at (b, w*k), in the plan and the ETA."""
+    params = {"train.num_iterations": "3600", "train.eval_period": "300"}
+    dp = progress.cell_seconds({"batch_size": "4", "num_accum": "2", "replicas": "2"}, params)
+    assert dp == progress.cell_seconds({"batch_size": "4", "num_accum": "4"}, params)  # a run before replicas: 1
+    assert dp > progress.cell_seconds({"batch_size": "4", "num_accum": "2", "replicas": "1"}, params)
+
+
 def cell(name: str, status: str, expected: float, elapsed: float, step: int = 0, graphs: float = 0.0,
          fresh: int = 0) -> Cell:
     return Cell(name, status, expected, elapsed, step, 100, new_graphs=graphs, fresh=fresh)

@@ -50,7 +50,9 @@ def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[st
 
     graphs = progress.graph_keys(planned_phases(cfg.compile, cfg.norm.name), cfg.model.name, cfg.data.dataset,
                                  cfg.norm.name, cfg.regime.batch_size, accumulate)
-    return progress.expected_seconds(cfg.regime.batch_size, cfg.regime.num_accum, cfg.train.num_iterations,
+    return progress.expected_seconds(cfg.regime.batch_size, progress.replica_work(cfg.regime.num_accum,
+                                                                                  cfg.regime.replicas),
+                                     cfg.train.num_iterations,
                                      cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES,
                                      cfg.model.cost, accumulate), graphs
 
