@@ -293,8 +293,8 @@ def run_times(client: MlflowClient, run: Run, now: float, this_host: str, btime:
     if info.status != "FINISHED" or not all(k in values for k in needed) or "train.num_iterations" not in params:
         return times
     history = sorted((m.step, m.timestamp / 1000) for m in client.get_metric_history(info.run_id, metrics.VALID_ACC.name))
-    training = training_seconds(int(params["train.num_iterations"]), int(tags["batch_size"]), int(tags["num_accum"]),
-                                values[metrics.SAMPLES_PER_SEC.name])
+    training = training_seconds(int(params["train.num_iterations"]), int(tags["batch_size"]),  # over all replicas
+                                int(tags["num_accum"]) * int(tags.get("replicas", 1)), values[metrics.SAMPLES_PER_SEC.name])
     compiled = tags.get("compiled", "off")
     graph = None if compiled == "off" else (tags.get("model", ""), tags.get("dataset", ""), tags["norm"], compiled)
     return RunTimes(worker, start, end, cell_start, times.process_start, values[metrics.WALL_SECONDS.name], training,
