@@ -4,7 +4,7 @@ steps, its model wrapped in DistributedDataParallel (docs/study.md, "Data parall
 
 - **The same step as the loop.** Each replica scales each micro-batch's loss by 1/k and DDP averages the
   replicas' gradients, so a step is the mean over its w*b*k samples. `no_sync` covers the first k-1 micro-batches:
-  one gradient all-reduce per optimizer step (`accumulate_replicated`).
+  one gradient all-reduce per optimizer step (`summing_locally`, around gaexp/train.py's `accumulate`).
 - **Paired samples.** Replica r takes, of each step's w*k micro-batches of the seed's stream, the r-th run of k
   consecutive ones (`replica_draws`): the DP cell (w, b, k) sees in each step the samples of its accumulation twin
   (b, w*k) and of the true batch (w*b*k, 1).
@@ -28,17 +28,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gaexp.batches import Draw, Split
+from gaexp.batches import Draw
 from gaexp.config import PrecisionConfig
-from gaexp.precision import Precision
 
 log = logging.getLogger("gaexp.app")
 
@@ -61,21 +59,13 @@ def replica_draws(batches: Iterator[Draw], rank: int, replicas: int, num_accum: 
         yield from step[rank * num_accum:(rank + 1) * num_accum]
 
 
-def accumulate_replicated(model: DistributedDataParallel, data: Split, batches: Iterator[Draw], num_accum: int,
-                          precision: Precision | None = None) -> torch.Tensor:
-    """gaexp/train.py's `accumulate` under DDP: the first k-1 micro-batches' gradients summed locally
-    (`no_sync`), the last one's backward all-reducing the sum, averaged over the replicas. Returns this
-    replica's mean unscaled loss."""
-    precision = precision or Precision.float32()
-    total = torch.zeros((), device=data.labels.device)
-    for j in range(num_accum):
-        with model.no_sync() if j < num_accum - 1 else contextlib.nullcontext():
-            inputs, labels = data.batch(next(batches))
-            with precision.forward():
-                loss = F.cross_entropy(model(inputs).float(), labels)
-            precision.backward(loss / num_accum)
-        total += loss.detach()
-    return total / num_accum
+def summing_locally(model: nn.Module, last: bool) -> ContextManager:
+    """Around a micro-batch's forward and backward: under DDP, all but the step's last micro-batch sum their
+    gradients locally (`no_sync`), so the last one's backward all-reduces the step's sum once; anything else as
+    it is."""
+    if isinstance(model, DistributedDataParallel) and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 @dataclass

@@ -20,7 +20,7 @@ from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import compiled_training
 from gaexp.precision import Precision
-from gaexp.replicas import Replicas, accumulate_replicated, replica_draws
+from gaexp.replicas import Replicas, replica_draws, summing_locally
 
 log = logging.getLogger(__name__)
 
@@ -98,23 +98,23 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     """
     precision = precision or Precision.float32()
     total = torch.zeros((), device=data.labels.device)
-    for _ in range(num_accum):
-        inputs, labels = data.batch(next(batches))
-        with precision.forward():
-            loss = F.cross_entropy(model(inputs).float(), labels)
-        precision.backward(loss / num_accum)
+    for j in range(num_accum):
+        with summing_locally(model, last=j == num_accum - 1):  # under DDP: one all-reduce per step
+            inputs, labels = data.batch(next(batches))
+            with precision.forward():
+                loss = F.cross_entropy(model(inputs).float(), labels)
+            precision.backward(loss / num_accum)
         total += loss.detach()
     return total / num_accum
 
 
-def step_function(engine: str, model: torch.nn.Module, batch_size: int,
-                  replicated: bool = False) -> Callable[..., torch.Tensor]:
+def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Callable[..., torch.Tensor]:
     """What computes an optimizer step's gradient for `accumulate=engine`, called as `accumulate` is:
-    loop, `accumulate` (`replicated`: under DDP, `accumulate_replicated`); batched, `accumulate_batched` with the
-    model's coupling layers chunked by `batch_size` (gaexp/batched.py; a model it cannot chunk exactly is
+    loop, `accumulate` (under DDP, `no_sync` until the step's last micro-batch); batched, `accumulate_batched` with
+    the model's coupling layers chunked by `batch_size` (gaexp/batched.py; a model it cannot chunk exactly is
     refused): one backward, so under DDP one all-reduce, as it is."""
     if engine == "loop":
-        return accumulate_replicated if replicated else accumulate
+        return accumulate
     if engine == "batched":
         return functools.partial(accumulate_batched, chunking=Chunking(model, batch_size))
     raise ValueError(f"accumulate={engine!r}; valid: {', '.join(ENGINES)}")
@@ -155,7 +155,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     precision = precision or Precision.float32()
     precision.prepare(model)
-    gradient = step_function(engine, model, regime.batch_size, replicated=replicas is not None)
+    gradient = step_function(engine, model, regime.batch_size)
     batches = micro_batches(len(train_data), regime.batch_size, seed, train_data.augment, train_data.labels.device)
     if replicas is not None:
         forward, batches = replicas.wrap(forward), replica_draws(batches, replicas.rank, replicas.world,

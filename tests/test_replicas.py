@@ -48,7 +48,7 @@ def _replica(rank: int, world: int, port: int, norm: str, b: int, k: int, engine
         calls.append((step, bucket.index()))
         return allreduce_hook(None, bucket)
     ddp.register_comm_hook(None, counting)
-    gradient = step_function(engine, model, b, replicated=True)
+    gradient = step_function(engine, model, b)
     draws = replicas.replica_draws(micro_batches(len(data), b, SEED), rank, world, k)
     first = None
     for step in range(steps):
