@@ -9,6 +9,7 @@ PIP           := $(PYTHON) -m pip install --quiet --quiet --disable-pip-version-
 # Pinned and installed first: a bare `torch` requirement lets pip pick a multi-GB build.
 TORCH         ?= torch==2.14.1 torchvision==0.29.1
 JOBS          ?= $(shell nproc 2>/dev/null || echo 2)
+TEST_JOBS     ?= 2
 STUDY         ?= spec
 DATA          ?= mnist
 PORT          ?= 5000
@@ -42,7 +43,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "installed: 'source $(VENV)/bin/activate' puts gaexp, gaexp-report, gaexp-check, gaexp-status on PATH"
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	@echo "installing the test tools into $(VENV): pytest, Ray (about 0.3 GB more)"
+	@echo "installing the test tools into $(VENV): pytest, pytest-xdist, Ray (about 0.3 GB more)"
 	@$(PIP) -e ".[test]"
 	@touch $@
 
@@ -56,11 +57,11 @@ data: setup   ## MNIST under outputs/data: local files, else torchvision's downl
 sweep: data   ## a study, conf/experiment/STUDY.yaml (spec: the 60-run grid), on DATA (conf/data/), JOBS cells at a time
 	$(PYTHON) -m gaexp -m +experiment=$(STUDY) data=$(DATA) launch=joblib hydra.launcher.n_jobs=$(JOBS)
 
-test: setup-test data   ## every test: what CI runs
-	$(PYTHON) -m pytest -q --durations=15
+test: setup-test data   ## every test: what CI runs, on TEST_JOBS pytest-xdist workers (the SLURM tests on one)
+	$(PYTHON) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadgroup
 
 test-fast: setup-test data   ## the edit loop: everything but the slow tests (subprocess sweeps, servers, Ray)
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadgroup
 
 docs: setup   ## regenerate the config key tables in docs/configuration.md from the schema (gaexp/config.py)
 	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/configuration.md')"

