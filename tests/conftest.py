@@ -33,6 +33,14 @@ from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # make test: pytest-xdist's -n
+if WORKERS > 1:  # each worker gets its share of the real cores (before a fake machine is applied), for its own
+    # tensors and, through OMP_NUM_THREADS, the processes it starts: torch's default of every core in each worker
+    # oversubscribes them (a file of short tests took 1.4x longer on 2 workers than on one, 0.8x with a share each).
+    # gaexp's own cells set their threads themselves (gaexp.machine), whatever this says.
+    THREADS = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
 FAKE_MACHINE = Path(__file__).resolve().parent / "fake_machine"  # GAEXP_TEST_CPUS, GAEXP_TEST_CPU_QUOTA: see there
 if os.environ.get("GAEXP_TEST_CPUS") or os.environ.get("GAEXP_TEST_CPU_QUOTA"):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_MACHINE), os.environ.get("PYTHONPATH")]))
@@ -56,11 +64,18 @@ class Float64(torch.nn.Module):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """`make test` runs the tests on pytest-xdist's workers (`-n 2 --dist loadgroup`): the tests marked `slurm`
-    share one worker, whose session starts the one SLURM cluster (its daemons' ports and munge are machine-wide)."""
+    """`make test` runs the tests on pytest-xdist's workers (`-n 2 --dist loadgroup`). The tests of a module that
+    use one of its module-scoped fixtures (a sweep, a server) share a worker, so that the fixture is made once; the
+    tests marked `slurm` share one too, whose session starts the one SLURM cluster (its daemons' ports and munge
+    are machine-wide). On workers the tests marked slow go first, so that no minute-long test is left to run
+    alone at the end."""
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    if WORKERS > 1:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: each part keeps its order
 
 
 def data_lock(dataset: str) -> FileLock:
