@@ -57,11 +57,11 @@ data: setup   ## MNIST under outputs/data: local files, else torchvision's downl
 sweep: data   ## a study, conf/experiment/STUDY.yaml (spec: the 60-run grid), on DATA (conf/data/), JOBS cells at a time
 	$(PYTHON) -m gaexp -m +experiment=$(STUDY) data=$(DATA) launch=joblib hydra.launcher.n_jobs=$(JOBS)
 
-test: setup-test data   ## every test: what CI runs, on TEST_JOBS pytest-xdist workers (the SLURM tests on one)
-	$(PYTHON) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadgroup
+test: setup-test data   ## every test: what CI runs, on TEST_JOBS pytest-xdist workers a test file at a time
+	$(PYTHON) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile
 
 test-fast: setup-test data   ## the edit loop: everything but the slow tests (subprocess sweeps, servers, Ray)
-	$(PYTHON) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadgroup
+	$(PYTHON) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile
 
 docs: setup   ## regenerate the config key tables in docs/configuration.md from the schema (gaexp/config.py)
 	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/configuration.md')"

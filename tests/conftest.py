@@ -64,16 +64,10 @@ class Float64(torch.nn.Module):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """`make test` runs the tests on pytest-xdist's workers (`-n 2 --dist loadgroup`). The tests of a module that
-    use one of its module-scoped fixtures (a sweep, a server) share a worker, so that the fixture is made once; the
-    tests marked `slurm` share one too, whose session starts the one SLURM cluster (its daemons' ports and munge
-    are machine-wide). On workers the tests marked slow go first, so that no minute-long test is left to run
-    alone at the end."""
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-        elif any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """`make test` runs the tests on pytest-xdist's workers, a test file at a time (`-n 2 --dist loadfile`): a
+    module's fixtures (a sweep, a server) are made once, and the SLURM tests (one file) share one worker and the
+    one cluster its session starts (the daemons' ports and munge are machine-wide). On workers the tests marked
+    slow go first, so their files start first and no minute-long test is left to run alone at the end."""
     if WORKERS > 1:
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: each part keeps its order
 
