@@ -29,6 +29,7 @@ from gaexp.config import CONFIG_DIR, parse_regime
 from gaexp.data import DataError, data_config, ensure_data
 from gaexp.datasets import Dataset, open_dataset
 from gaexp.hooks import EvalPoint
+from gaexp.machine import usable_cores
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
@@ -38,7 +39,7 @@ if WORKERS > 1:  # each worker gets its share of the real cores (before a fake m
     # tensors and, through OMP_NUM_THREADS, the processes it starts: torch's default of every core in each worker
     # oversubscribes them (a file of short tests took 1.4x longer on 2 workers than on one, 0.8x with a share each).
     # gaexp's own cells set their threads themselves (gaexp.machine), whatever this says.
-    THREADS = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    THREADS = max(1, usable_cores() // WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
     torch.set_num_threads(THREADS)
 FAKE_MACHINE = Path(__file__).resolve().parent / "fake_machine"  # GAEXP_TEST_CPUS, GAEXP_TEST_CPU_QUOTA: see there
