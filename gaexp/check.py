@@ -42,19 +42,17 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from gaexp.config import CONFIG_DIR, FP32, PrecisionConfig, precision_name
+from gaexp.config import FP32, PrecisionConfig, precision_name
 from gaexp.norms import NORMS
-from gaexp.precision import DTYPES, Precision
+from gaexp.precision import DTYPES, Precision, as_precision
 
 STEP_TARGETS = "step_targets"  # a loss taking this (or a third positional) gets the whole step's targets, unscaled
 MODES = ("train", "keep")  # every module in training mode, or the training flags as the model came
@@ -686,31 +684,12 @@ BACKOFFS = 40  # a GradScaler's halvings tried from its first scale (2^16 down t
 LOW_DTYPES = (torch.bfloat16, torch.float16)  # outputs in these are cast to float32 for the loss, as training does
 
 
-def precision_config(name: str, accumulate_in: str | None = None) -> PrecisionConfig:
-    """gaexp's `precision=NAME`, as conf/precision/NAME.yaml declares it (fp32, bf16, fp16, bf16w, bf16w-acc32),
-    with its micro-batch gradients summed in `accumulate_in` (param or fp32) when given; refused in one line."""
-    folder = Path(CONFIG_DIR) / "precision"
-    names = sorted(p.stem for p in folder.glob("*.yaml"))
-    if name not in names:
-        raise CheckError(f"precision={name!r}; valid: {', '.join(names)}")
-    keys = yaml.safe_load((folder / f"{name}.yaml").read_text())
-    if accumulate_in is not None:
-        keys["accumulate_in"] = accumulate_in
+def _as_precision(precision: PrecisionConfig | str) -> PrecisionConfig:
+    """`as_precision`, an unknown name or a contradiction refused as input the check cannot use."""
     try:
-        return PrecisionConfig(**keys, name=precision_name(**keys))
+        return as_precision(precision)
     except ValueError as e:
         raise CheckError(str(e)) from None
-
-
-def as_precision(precision: PrecisionConfig | str) -> PrecisionConfig:
-    """A precision given by gaexp's name, or a PrecisionConfig (its name derived from its keys where it was left to
-    the resolver, as in PrecisionConfig(autocast="bf16"))."""
-    if isinstance(precision, str):
-        return precision_config(precision)
-    if precision.name.startswith("${"):
-        keys = {k: getattr(precision, k) for k in ("autocast", "weights", "accumulate_in", "scaler")}
-        return PrecisionConfig(**keys, name=precision_name(**keys))
-    return precision
 
 
 def dtype_name(key: str) -> str:
@@ -822,7 +801,7 @@ def precision_drift(model: nn.Module, inputs: Any, targets: Any, loss: Callable[
     fp16's GradScaler starts at its own first scale and backs off as training's first steps do: a step it
     skips (Inf or NaN in a scaled gradient) is taken again at the halved scale, up to BACKOFFS times; a step
     still not finite, or one with no scaler, raises NonFiniteError. `worse`: `measurably_worse`."""
-    p = as_precision(precision)
+    p = _as_precision(precision)
     contract = loss_contract(loss)
     n = micro_batch * num_accum
     chunks = [(i * micro_batch, (i + 1) * micro_batch) for i in range(num_accum)]
@@ -920,7 +899,7 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any,
         threshold = "given"
     contract = loss_contract(loss)
     if precision is not None:
-        precision = as_precision(precision)
+        precision = _as_precision(precision)
     chunks = [(i * micro_batch, (i + 1) * micro_batch) for i in range(num_accum)]
     value = _nonfinite(inputs)
     if value:

@@ -32,14 +32,13 @@ from torch.utils._pytree import tree_leaves
 from gaexp import targets
 from gaexp.cli import positive_ints
 from gaexp.batches import micro_batch_indices
-from gaexp.check import (LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract,
-                         precision_config)
+from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract
 from gaexp.config import (ACCUMULATE_IN, CONFIG_DIR, DEVICES, FP32, DataConfig, PrecisionConfig, composition_problem,
                           typed, unknown_choice)
 from gaexp.data import DataError, data_config, datasets
 from gaexp.datasets import describe, open_dataset
 from gaexp.model import ARGUMENTS, check_model, make_model
-from gaexp.precision import device_problem
+from gaexp.precision import device_problem, precision_config
 from gaexp.targets import TargetError
 from gaexp.train import resolve_device
 
@@ -167,7 +166,7 @@ def precision_of(args: argparse.Namespace, subject: Subject) -> PrecisionConfig:
     name = args.precision or FP32
     try:
         return precision_config(name, args.accumulate_in)
-    except CheckError:
+    except ValueError:
         takes = [n for n in precisions() if _accepts(n, args.accumulate_in)]
         raise CheckError(f"--accumulate-in {args.accumulate_in} with --precision {name}; valid: --accumulate-in "
                          f"{args.accumulate_in} with --precision {', '.join(takes)}, param with any ({name}'s "
@@ -178,7 +177,7 @@ def _accepts(name: str, accumulate_in: str) -> bool:
     try:
         precision_config(name, accumulate_in)
         return True
-    except CheckError:
+    except ValueError:
         return False
 
 

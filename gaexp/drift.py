@@ -35,7 +35,6 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -43,12 +42,12 @@ import torch
 from gaexp import bench
 from gaexp.batches import Split, micro_batch_indices, micro_batches
 from gaexp.cli import positive_ints
-from gaexp.check import PrecisionDrift, dtype_name, precision_config, precision_drift, summed_in
+from gaexp.check import PrecisionDrift, dtype_name, precision_drift, summed_in
 from gaexp.config import DEVICES, FP32, PrecisionConfig
 from gaexp.data import DataError, data_config
 from gaexp.datasets import open_dataset
 from gaexp.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from gaexp.precision import DTYPES, Precision, cpu_has_instructions, device_problem
+from gaexp.precision import DTYPES, Precision, cpu_has_instructions, device_problem, precision_config
 from gaexp.train import accumulate, resolve_device
 
 PRECISIONS = ("fp32", "bf16", "bf16w", "bf16w-acc32", "fp16")  # the table's rows, gaexp's precision= names

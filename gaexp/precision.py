@@ -16,16 +16,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import ContextManager
 
 import torch
+import yaml
 from torch import nn
 
-from gaexp.config import FP32, PrecisionConfig
+from gaexp.config import CONFIG_DIR, FP32, PrecisionConfig, precision_name
 
 log = logging.getLogger("gaexp.app")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_config(name: str, accumulate_in: str | None = None) -> PrecisionConfig:
+    """gaexp's `precision=NAME`, as conf/precision/NAME.yaml declares it (fp32, bf16, fp16, bf16w, bf16w-acc32),
+    with its micro-batch gradients summed in `accumulate_in` (param or fp32) when given; refused in one line
+    (ValueError)."""
+    folder = Path(CONFIG_DIR) / "precision"
+    names = sorted(p.stem for p in folder.glob("*.yaml"))
+    if name not in names:
+        raise ValueError(f"precision={name!r}; valid: {', '.join(names)}")
+    keys = yaml.safe_load((folder / f"{name}.yaml").read_text())
+    if accumulate_in is not None:
+        keys["accumulate_in"] = accumulate_in
+    return PrecisionConfig(**keys, name=precision_name(**keys))  # a contradiction: ValueError, in one line
+
+
+def as_precision(precision: PrecisionConfig | str) -> PrecisionConfig:
+    """A precision given by gaexp's name, or a PrecisionConfig (its name derived from its keys where it was left to
+    the resolver, as in PrecisionConfig(autocast="bf16"))."""
+    if isinstance(precision, str):
+        return precision_config(precision)
+    if precision.name.startswith("${"):
+        keys = {k: getattr(precision, k) for k in ("autocast", "weights", "accumulate_in", "scaler")}
+        return PrecisionConfig(**keys, name=precision_name(**keys))
+    return precision
 
 
 def cpu_has_instructions(dtype: torch.dtype) -> bool:

@@ -12,10 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from gaexp.check import (CheckError, NonFiniteError, as_precision, check_accumulation, measurably_worse,
-                         precision_config, precision_drift)
+from gaexp.check import CheckError, NonFiniteError, check_accumulation, measurably_worse, precision_drift
 from gaexp.check_cli import BAD_INPUT, IMPRECISE, SAFE, UNSAFE, run, status
-from gaexp.config import PrecisionConfig
 from gaexp.model import SimpleModel
 from gaexp.norms import norm2d
 
@@ -191,12 +189,11 @@ def test_the_python_api_adds_the_figures_and_leaves_the_model_as_it_was(train_sp
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_gaexps_precision_names_are_its_conf_files():
-    assert precision_config("bf16w-acc32") == precision_config("bf16w", "fp32")
-    assert as_precision(PrecisionConfig(autocast="bf16")) == precision_config("bf16") == as_precision("bf16")
-    assert (precision_config("fp16").autocast, precision_config("fp16").scaler) == ("fp16", True)
+def test_a_precision_the_check_cannot_use_is_its_bad_input():
+    model = SimpleModel(partial(norm2d, "gn4"))
+    inputs, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
     with pytest.raises(CheckError, match=re.escape("precision='bf8'; valid: bf16, bf16w, bf16w-acc32, fp16, fp32")):
-        precision_config("bf8")
+        check_accumulation(model, inputs, labels, micro_batch=2, num_accum=4, precision="bf8")
 
 
 def test_a_step_not_finite_under_the_precision_is_never_measured():

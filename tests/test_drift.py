@@ -15,6 +15,7 @@ from torch import nn
 from gaexp import check, drift
 from gaexp.batches import Split, micro_batch_indices
 from gaexp.memory import reset_peak_rss
+from gaexp.precision import precision_config
 
 
 def cells(text: str) -> dict[str, list[str]]:
@@ -95,7 +96,7 @@ def test_the_cells_are_gaexp_checks_measurement():
     generator = torch.Generator().manual_seed(0)
     split = Split(torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8, generator=generator),
                   torch.randint(0, 10, (64,), generator=generator))
-    found = drift.errors(model, split, 2, [16], check.precision_config("bf16w"), 0, torch.device("cpu"))[0]
+    found = drift.errors(model, split, 2, [16], precision_config("bf16w"), 0, torch.device("cpu"))[0]
     index = next(micro_batch_indices(64, 32, 0))
     report = check.check_accumulation(model, split.inputs(index), split.labels[index], micro_batch=2, num_accum=16,
                                       precision="bf16w")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from gaexp.batches import micro_batches
 from gaexp.config import PrecisionConfig, precision_name
 from gaexp.model import SimpleModel
 from gaexp.norms import layer
-from gaexp.precision import Precision, device_problem, slow_note
+from gaexp.precision import Precision, as_precision, device_problem, precision_config, slow_note
 from gaexp.train import accumulate
 
 CPU = torch.device("cpu")
@@ -261,3 +262,11 @@ def test_an_fp16_run_records_its_precision_scale_and_skipped_steps(tmp_path, gae
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss_scale")] == \
         [(1, 2.0 ** 16), (2, 2.0 ** 16)]
     assert run.data.metrics["skipped_steps"] == 0
+
+
+def test_gaexps_precision_names_are_its_conf_files():
+    assert precision_config("bf16w-acc32") == precision_config("bf16w", "fp32")
+    assert as_precision(PrecisionConfig(autocast="bf16")) == precision_config("bf16") == as_precision("bf16")
+    assert (precision_config("fp16").autocast, precision_config("fp16").scaler) == ("fp16", True)
+    with pytest.raises(ValueError, match=re.escape("precision='bf8'; valid: bf16, bf16w, bf16w-acc32, fp16, fp32")):
+        precision_config("bf8")
