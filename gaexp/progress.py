@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 from tqdm import tqdm
 
 from gaexp import cli, metrics
+from gaexp.config import FP32
 from gaexp.redact import mask, reconnectable
 from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, recorded_process, runs_in_sweep, search_all
 from hydra_plugins.gaexp_optuna_sweeper import tally as trials
@@ -48,6 +49,13 @@ from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S, DRAW_S = 2.6e-3, 0.7, 1.8e-3, 2.5e-4, 1.0e-4
 CELL_S, GAP_S, GRAPH_S, TRAIN_GRAPH = 1.0, 1.0, 9.0, 1.5
 VALID_IMAGES = 10_000  # the test set; data.holdout=N evaluates N held-out images instead
+# A precision's training and evaluation against float32's with the same engine, on a CPU with bf16 instructions
+# (docs/results.md, "The precision study", 2026-12-04): bf16 at float32's speed within the noise, bf16w-acc32 0.9x its
+# cost (the study's cells beside bf16's), bf16w's loop 1.2x (its loop cells beside bf16's batched ones, in this
+# model's units), fp16 (emulated on that CPU) 10x (200-step cells beside float32's: 9.9x, 11.7x). A precision not
+# named here, and any on a GPU, costs as float32; on a CPU that emulates bf16 (several times slower), the cells
+# that finish correct the speed (fit_rates).
+PRECISION_COST = {"bf16": 1.0, "bf16w": 1.2, "bf16w-acc32": 0.9, "fp16": 10.0}
 log = logging.getLogger(__name__)
 ROLE = PLAN_ROLE  # gaexp.role of the run that records a sweep's plan
 COSTS = "gaexp.costs"  # a plan run's tag: "expected:graphs" of each cell in launch order (left out past MAX_COSTS)
@@ -56,16 +64,24 @@ DONE = ("FINISHED", "FAILED", "KILLED")
 
 
 def expected_seconds(batch_size: int, num_accum: int, num_iterations: int, eval_period: int,
-                     valid_images: int = VALID_IMAGES, model_cost: float = 1.0, accumulate: str = "loop") -> float:
+                     valid_images: int = VALID_IMAGES, model_cost: float = 1.0, accumulate: str = "loop",
+                     precision_cost: float = 1.0) -> float:
     """A cell's expected seconds on one core of the reference machine, compilation of new graphs left out;
-    `model_cost` (model.cost) scales the simple CNN's times to another model's; `accumulate`: the engine, loop
-    (k passes of b samples a step) or batched (one pass of b*k)."""
+    `model_cost` (model.cost) scales the simple CNN's times to another model's, `precision_cost`
+    (`precision_cost()`) float32's to the cell's precision; `accumulate`: the engine, loop (k passes of b samples
+    a step) or batched (one pass of b*k)."""
     evaluations = num_iterations // eval_period + (num_iterations % eval_period > 0)
     if accumulate == "batched":
         step = MICRO_S * (batch_size * num_accum) ** BATCH_EXPONENT + num_accum * DRAW_S + STEP_S
     else:
         step = num_accum * MICRO_S * batch_size ** BATCH_EXPONENT + STEP_S
-    return CELL_S + model_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
+    return CELL_S + model_cost * precision_cost * (num_iterations * step + evaluations * valid_images * EVAL_IMAGE_S)
+
+
+def precision_cost(precision: str, device_type: str) -> float:
+    """`PRECISION_COST` of the precision named as runs record it (the `precision` tag, precision.name), on the
+    device type the cell trains on."""
+    return PRECISION_COST.get(precision, 1.0) if device_type == "cpu" else 1.0
 
 
 def replica_work(num_accum: int, replicas: int) -> int:
@@ -95,7 +111,8 @@ def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     return expected_seconds(int(tags["batch_size"]), replica_work(int(tags["num_accum"]), int(tags.get("replicas", 1))),
                             int(params["train.num_iterations"]),
                             int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
-                            float(params.get("model.cost", 1.0)), tags.get("accumulate", "loop"))
+                            float(params.get("model.cost", 1.0)), tags.get("accumulate", "loop"),
+                            precision_cost(tags.get("precision", FP32), tags.get("device", "cpu")))
 
 
 def run_graphs(tags: Mapping[str, str]) -> frozenset[tuple[str, ...]]:

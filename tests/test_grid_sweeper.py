@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 from submitit.core.utils import UncompletedJobError
 
-from gaexp import liveness, tracking
+from gaexp import liveness, progress, tracking
 from gaexp.config import FAILED_MARKER
 from gaexp.config import CONFIG_DIR
 from hydra_plugins.gaexp_grid_sweeper.submitit_launcher import SlurmLauncher, wait_for_every
@@ -76,6 +76,25 @@ def test_a_cells_cost_follows_its_own_overrides(compose):
     assert sweeper.cost(["regime=bs1a16"]) < 1.2 * base  # batched: 16 samples in one pass, 16 or 4 draws
     loop = sweeper.cost(["regime=bs4a4", "accumulate=loop"])
     assert sweeper.cost(["regime=bs1a16", "accumulate=loop"]) > 1.3 * loop > 1.3 * base  # the loop: 16 or 4 passes
+
+
+def test_the_plan_costs_a_cell_under_its_precision(compose):
+    """The grid sweeper's cost of a cell (what orders it and sizes the ETA) is its run's: float32's with the engine
+    the cell trains with, times the precision's PRECISION_COST."""
+    from hydra_plugins.gaexp_grid_sweeper.sweeper import check_cell, cost_of
+
+    sweeper = sweeper_on(compose, "+experiment=precision")
+    def cost(*overrides):
+        cfg = sweeper.cell_config(list(overrides))
+        return cost_of(cfg, check_cell(cfg, overrides))[0]
+    batched = cost("norm=gn4", "regime=bs4a4", "precision=fp32")
+    loop = cost("norm=gn4", "regime=bs4a4", "precision=fp32", "accumulate=loop")
+    assert batched < loop
+    for name in ("bf16", "bf16w-acc32"):  # batched under auto
+        assert cost("norm=gn4", "regime=bs4a4", f"precision={name}") - progress.CELL_S == pytest.approx(
+            progress.PRECISION_COST[name] * (batched - progress.CELL_S))
+    assert cost("norm=gn4", "regime=bs4a4", "precision=bf16w") - progress.CELL_S == pytest.approx(
+        progress.PRECISION_COST["bf16w"] * (loop - progress.CELL_S))  # the loop's alone
 
 
 def test_a_cells_graphs_are_what_its_compile_choice_compiles_for_its_norm(compose):

@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import progress, tracking
+from gaexp.config import CONFIG_DIR
 from gaexp.hooks import EvalPoint, Progress
 from gaexp.progress import Cell, Plan
 from hydra_plugins.gaexp_optuna_sweeper import tally
@@ -40,6 +41,20 @@ def test_a_data_parallel_cell_costs_the_cores_of_its_accumulation_twin():
     dp = progress.cell_seconds({"batch_size": "4", "num_accum": "2", "replicas": "2"}, params)
     assert dp == progress.cell_seconds({"batch_size": "4", "num_accum": "4"}, params)  # a run before replicas: 1
     assert dp > progress.cell_seconds({"batch_size": "4", "num_accum": "2", "replicas": "1"}, params)
+
+
+def test_a_precision_costs_its_measured_factor_on_a_cpu_and_float32s_elsewhere():
+    """The plan and the ETA cost a precision's training and evaluation at PRECISION_COST times float32's on a
+    CPU; a run recorded before precision was a choice (no tag) costs as fp32, and so does any cell on a GPU."""
+    params = {"train.num_iterations": "3600", "train.eval_period": "300"}
+    run = {"batch_size": "1", "num_accum": "16", "accumulate": "loop", "device": "cpu"}
+    fp32 = progress.cell_seconds(run, params)
+    assert fp32 == progress.cell_seconds({**run, "precision": "fp32"}, params)
+    for name, factor in progress.PRECISION_COST.items():
+        here = progress.cell_seconds({**run, "precision": name}, params)
+        assert here - progress.CELL_S == pytest.approx(factor * (fp32 - progress.CELL_S)), name
+        assert progress.cell_seconds({**run, "precision": name, "device": "cuda"}, params) == fp32
+    assert set(progress.PRECISION_COST) <= {p.stem for p in (Path(CONFIG_DIR) / "precision").glob("*.yaml")}
 
 
 def cell(name: str, status: str, expected: float, elapsed: float, step: int = 0, graphs: float = 0.0,

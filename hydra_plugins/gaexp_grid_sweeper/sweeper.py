@@ -54,7 +54,8 @@ def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[st
                                                                                   cfg.regime.replicas),
                                      cfg.train.num_iterations,
                                      cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES,
-                                     cfg.model.cost, accumulate), graphs
+                                     cfg.model.cost, accumulate,
+                                     progress.precision_cost(cfg.precision.name, cfg.device_type)), graphs
 
 
 def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> str:
