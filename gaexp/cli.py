@@ -63,8 +63,12 @@ def store_file(uri: str) -> Path | None:
 
 
 def require_store(uri: str) -> None:
-    """Exit with one line for an SQLite store with no file (MLflow would make an empty one there) or one
-    SQLite cannot read (`store_damage`)."""
+    """Exit with one line for a store given as a path, not a URI (MLflow would read it as its retired file
+    store, in a traceback), an SQLite store with no file (MLflow would make an empty one there) or one SQLite
+    cannot read (`store_damage`)."""
+    if "://" not in uri:
+        hint = f" (this file's: sqlite:///{Path(uri).resolve()})" if Path(uri).is_file() else ""
+        sys.exit(f"error: {uri!r} is not a store's URI; valid: {STORE_FORMS}{hint}")
     path = store_file(uri)
     if path is None:
         return

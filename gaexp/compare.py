@@ -16,7 +16,7 @@ from typing import Sequence
 from mlflow.tracking import MlflowClient
 
 from gaexp.analysis import PARTS, training_runs
-from gaexp import engine, metrics
+from gaexp import cli, engine, metrics
 from gaexp.config import ADDED_DEFAULTS
 from gaexp.tracking import CELL_START, CURVES, SINGLE_RUN
 
@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("store_b", help="tracking URI of the runs after the change")
     parser.add_argument("--experiment", default="gaexp", help="experiment name in both (default: %(default)s)")
     args = parser.parse_args(argv)
+    for uri in (args.store_a, args.store_b):
+        cli.require_store(uri)
     found, params = differences(MlflowClient(args.store_a), MlflowClient(args.store_b), args.experiment)
     runs = len(training_runs(MlflowClient(args.store_a), args.experiment))
     print("\n".join([*found, *params]) or "no differences")

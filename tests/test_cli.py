@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sqlite3
 import subprocess
 import sys
@@ -126,6 +127,29 @@ def test_every_command_that_reads_a_store_says_one_line_for_a_damaged_one(damage
             assert err.startswith(f"error: the MLflow store {path} cannot be read: {cause}"), (name, command, err)
             assert "Traceback" not in err and out == "", (name, command)
         assert path.read_bytes() == before, name
+
+
+@pytest.mark.slow
+def test_a_store_given_as_a_path_is_refused_in_one_line_whose_uri_runs_as_printed(tmp_path):
+    """`--tracking-uri outputs/mlflow.db` (a path, not a URI) ended in MLflow's traceback about its retired file
+    store: each command, and compare, says one line naming the value and the forms, with the file's own URI, and
+    that URI, run as printed, reads the store."""
+    write_store(tmp_path / "outputs" / "mlflow.db")
+    relative = "outputs/mlflow.db"
+    uri = f"sqlite:///{(tmp_path / relative).resolve()}"
+    given = {command: [*argv, "--tracking-uri", relative] for command, argv in COMMANDS.items()}
+    given["compare"] = [sys.executable, "-m", "gaexp.compare", relative, uri]
+    procs = {command: subprocess.Popen(argv, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for command, argv in given.items()}
+    for command, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert (proc.returncode, err.strip(), out) == (
+            1, f"error: {relative!r} is not a store's URI; valid: {cli.STORE_FORMS} (this file's: {uri})", ""), command
+    status = subprocess.run([*COMMANDS["gaexp-status"], "--tracking-uri", uri], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=300)
+    assert status.returncode == 0 and "6 finished" in status.stdout, (status.stdout, status.stderr)
+    with pytest.raises(SystemExit, match=re.escape("'nothere.db' is not a store's URI; valid: ") + ".*HOST:PORT$"):
+        cli.require_store("nothere.db")  # no such file: no URI to suggest
 
 
 def test_a_store_printed_masked_in_a_hint_connects_as_printed():
