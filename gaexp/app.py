@@ -6,6 +6,7 @@ launcher runs at once its launch config says (conf/launch/), so the app names no
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -19,7 +20,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gaexp import liveness, redact, targets
-from gaexp.config import CONFIG_DIR, FAILED_MARKER, composition_problem, hydra_overrides, unknown_choice
+from gaexp.config import (CONFIG_DIR, FAILED_MARKER, compose_config, composition_problem, hydra_overrides, sweep_cases,
+                          unknown_choice)
+from gaexp.machine import launched_problem, torchrun_rank
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +87,13 @@ def cli(argv: Sequence[str] | None = None) -> None:
     first cell composed once more); then `main`. Everything it prints is masked (gaexp/redact.py)."""
     redact.mask_terminal()  # whatever prints: Hydra's own errors, a lexer's echo of an override
     targets.import_from_cwd()
-    overrides = hydra_overrides(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    overrides = hydra_overrides(args)
     searched = any(o.lstrip("+").startswith("hydra.searchpath") for o in overrides)  # files this cannot see
     problem = None if searched else (unknown_choice(overrides) or hydra_sweep_problem(overrides)
                                      or composition_problem(overrides))
+    if problem is None and torchrun_rank() is not None:
+        problem = torchrun_problem(args, overrides)
     if problem:
         raise SystemExit(redact.mask(f"error: {problem}"))
     try:
@@ -95,6 +101,17 @@ def cli(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C outside a grid sweep's launches (which say how many cells finished)
         print("interrupted", file=sys.stderr)  # the runs it started are KILLED (tracking.tracked_run)
         raise SystemExit(128 + signal.SIGINT) from None  # 130, as a shell reports a command Ctrl-C stopped
+
+
+def torchrun_problem(args: Sequence[str], overrides: Sequence[str]) -> str | None:
+    """Under torchrun, each process one replica of one cell: a sweep (every process would run all of it) or a
+    cell of another replica count than torchrun's processes refused in one line, by every process."""
+    if {"-m", "--multirun"} & set(args):
+        return ("gaexp -m under torchrun: each of its processes would run the whole sweep; valid: one cell per "
+                "torchrun command (torchrun --nproc-per-node 2 -m gaexp regime=w2b8a1), or a sweep whose DP cells "
+                "start their own replicas (gaexp -m regime=w2b8a1,bs8a2 launch=joblib|slurm)")
+    replicas = compose_config(sweep_cases(overrides)[0]).regime.replicas
+    return launched_problem("torchrun", int(os.environ.get("WORLD_SIZE", "1")), replicas)
 
 
 def hydra_sweep_problem(overrides: Sequence[str]) -> str | None:

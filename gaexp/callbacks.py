@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from gaexp import liveness, redact
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, Config, job_config, typed
+from gaexp.machine import torchrun_rank
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
@@ -98,6 +99,8 @@ class PrepareCallback(Callback):
     """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if torchrun_rank():  # a replica torchrun started beside rank 0, which prepares; it records nothing
+            return
         self.on_multirun_start(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

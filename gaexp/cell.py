@@ -237,12 +237,13 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                     valid_data: Split, meta: datasets.Meta, device: torch.device, memory: dict[str, float],
                     client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None,
-                    in_sweep: bool = True, cell_start: float | None = None) -> float:
+                    in_sweep: bool = True, cell_start: float | None = None,
+                    started: replicas.Replicas | None = None) -> float:
     """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
     value `returned_value` gives. `bar`: a tqdm bar
     over the steps; None: on a terminal; False: a log line per evaluation). A trial
     reports each evaluation to its study; when pruned, its run ends KILLED and `Stopped` is raised (the
-    app tells the sweeper)."""
+    app tells the sweeper). `started`: rank 0 of the replicas a launcher started (`run_cell`)."""
     compiled = compile_phases(c.compile, c.norm.name, device)
     if c.regime.replicas > 1:  # under DDP a replica's training runs eager (`replicas.problem` refuses compile=all)
         compiled -= {"train"}
@@ -279,7 +280,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                      *([StopWhenSweepGone(watch)] if (watch := liveness.sweep_watch()) is not None else [])]
             tic = time.perf_counter()
             try:
-                with team(c, device) as group:
+                with team(c, device, started) as group:
                     history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
                                     c.accumulate, precision.Precision(c.precision, device), group)
             except DivergedError as e:
@@ -303,11 +304,22 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
 
 
 @contextlib.contextmanager
-def team(c: Config, device: torch.device) -> Iterator[replicas.Replicas | None]:
+def team(c: Config, device: torch.device,
+         started: replicas.Replicas | None = None) -> Iterator[replicas.Replicas | None]:
     """For a cell of w > 1 replicas (gaexp/replicas.py): ranks 1..w-1 started (`replica_main`), set up and met,
     this process rank 0 of the process group; on the way out each of them ended, and none left running whatever
-    happened. A replica that failed or died is the cell's error, naming its rank. None for one replica."""
+    happened. A replica that failed or died is the cell's error, naming its rank. None for one replica.
+    `started`: the process group of replicas a launcher started, told to train (`follow`)."""
     w = c.regime.replicas
+    if started is not None:
+        started.tell(replicas.TRAIN)
+        try:
+            yield started
+        except Exception:
+            if (failure := started.named_failure()) is not None:  # rank 0's error a symptom of that replica's
+                raise failure from None
+            raise
+        return
     if w == 1:
         yield None
         return
@@ -353,6 +365,26 @@ def replica_main(index: int, c: Config, port: int, threads: int) -> None:
         group.close()
 
 
+def follow(c: Config, choice: engine.Choice, group: replicas.Replicas) -> float:
+    """Rank 1..w-1 of the replicas a launcher started (torchrun, launch=slurm's tasks): trains beside rank 0 when
+    it says so (`team`), its data and model built as rank 0's, and records nothing; rank 0's run is the cell's.
+    Its own error is left for rank 0 to name; nan to its launcher either way (submitit reads task 0's result)."""
+    if group.hear() != replicas.TRAIN:  # the cell was finished, or rank 0 failed before training
+        return float("nan")
+    try:
+        if group.device.type == "cuda":
+            torch.cuda.set_device(group.device)
+        model, train_data, _ = build(c, datasets.open_dataset(c.data, progress=False), group.device)
+        c = dataclasses.replace(c, accumulate=engine.within_split(choice, c.regime.batch_size, c.regime.num_accum,
+                                                                  len(train_data)).engine)  # rank 0's engine
+        train(model, train_data, None, c.train, c.regime, c.seed, (), frozenset(), c.accumulate,
+              precision.Precision(c.precision, group.device), group)
+    except Exception as e:  # noqa: BLE001 - rank 0 names it in the cell's run; a task that raised would stop a sweep
+        log.exception("replica %d of %d failed", group.rank, group.world)
+        group.failed(e)
+    return float("nan")
+
+
 def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
     """What a job returns to its sweeper, from its (step, valid_acc) evaluations: a trial, its objective
     (analysis.objective); a grid cell, whose value no sweeper reads, its final accuracy."""
@@ -367,18 +399,38 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     """Train one cell of the grid and track it; returns `returned_value`. The store and data
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
-    started = time.time()  # the run records it: its setup's share of the time (gaexp.breakdown)
+    started_at = time.time()  # the run records it: its setup's share of the time (gaexp.breakdown)
     c, choice = checked(cfg)  # again where the cell runs: a cluster node may see another device than the launcher
     device = resolve_device(c.device)
     if device.type == "cuda" and c.deterministic:
         deterministic_cuda()
     threads = threads_for(c.threads, c.cells_at_once)  # the launch config says how many cells share the cores
-    if c.regime.replicas > 1:  # the cell's threads shared among its replicas
-        threads = replicas.threads_each(threads, c.regime.replicas)
-        if (line := replicas.oversubscribed(c.regime.replicas, usable_cores())) is not None:
+    started = replicas.launched()  # one of the processes torchrun or launch=slurm started (checked: w of them)
+    if c.regime.replicas > 1:  # the cell's threads shared among its replicas (a launcher's: those on this node)
+        threads = replicas.threads_each(threads, c.regime.replicas if started is None else started.local_world)
+        if started is None and (line := replicas.oversubscribed(c.regime.replicas, usable_cores())) is not None:
             log.warning("%s", line)
     if threads:
         torch.set_num_threads(threads)
+    if started is None:
+        return lead(cfg, c, choice, device, sweep_id, hydra_dir, in_sweep, started_at)
+    group = replicas.join_launched(started, device)
+    try:
+        if not group.leader:
+            return follow(c, choice, group)
+        try:
+            return lead(cfg, c, choice, group.device, sweep_id, hydra_dir, in_sweep, started_at, group)
+        finally:
+            if not group.store.check([replicas.DECISION]):  # skipped as finished, or failed before training
+                group.tell(replicas.SKIP)
+    finally:
+        group.close()
+
+
+def lead(cfg: DictConfig, c: Config, choice: engine.Choice, device: torch.device, sweep_id: str,
+         hydra_dir: Path | None, in_sweep: bool, started_at: float,
+         group: replicas.Replicas | None = None) -> float:
+    """`run_cell` in the process that records the cell: one process, or rank 0 of a launcher's replicas."""
     client = MlflowClient(c.mlflow.tracking_uri)
     experiment_id = tracking.experiment_id(client, c.mlflow.experiment_name)
     dataset = datasets.open_dataset(c.data, progress=False if in_sweep else c.progress)
@@ -402,4 +454,4 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
     return train_and_track(c, resolved, key, choice, model, train_data, valid_data, dataset.meta, device, memory,
-                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep, started)
+                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep, started_at, group)

@@ -8,7 +8,23 @@ import os
 from pathlib import Path
 from typing import Optional
 
+TORCHRUN = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent in every process it starts (gaexp/replicas.py)
 CGROUP = Path("/sys/fs/cgroup")  # where a container's CPU quota is read (cgroup v2, else v1's cpu/ controller)
+
+
+def torchrun_rank() -> Optional[int]:
+    """This process's rank among those torchrun started (its RANK), or None outside torchrun."""
+    return int(os.environ.get("RANK", "0")) if os.environ.get(TORCHRUN) else None
+
+
+def launched_problem(by: str, world: int, replicas: int) -> Optional[str]:
+    """Why a cell of `replicas` cannot run on the `world` processes a launcher (torchrun, SLURM) started, each a
+    replica (one line naming what is valid), or None."""
+    if world == replicas:
+        return None
+    how = "--nproc-per-node times --nnodes" if by == "torchrun" else "the job's tasks"
+    return (f"regime.replicas={replicas} on the {world} processes {by} started ({how}): each process is a replica; "
+            f"valid: a regime of {world} replicas (w{world}bBaK), or {replicas} process{'es' if replicas > 1 else ''}")
 
 
 def cgroup_cpus(root: Optional[Path] = None) -> Optional[int]:

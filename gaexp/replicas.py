@@ -11,6 +11,12 @@ steps, its model wrapped in DistributedDataParallel (docs/study.md, "Data parall
 - **Who records.** The cell's own process is rank 0: it writes the one MLflow run, evaluates, and reports the
   step losses averaged over the replicas. Ranks 1..w-1 are started by PyTorch's `torch.multiprocessing`
   (spawn), train, and write nothing (`Team`).
+- **Started by a launcher.** Under `torchrun` (one cell: `torchrun --nproc-per-node 2 -m gaexp regime=w2b8a1`,
+  across nodes with its rendezvous, docs/cluster.md) and under launch=slurm (a DP cell's job asks for w tasks,
+  their meeting file on the shared file system), the w processes are the launcher's: each joins the process group
+  from its environment (`launched`, `join_launched`), rank 0 tells the others whether the cell trains
+  (`Replicas.tell`: a finished cell is skipped by all), and a replica that fails leaves its error in the store for
+  rank 0 to name.
 - **BatchNorm.** Per replica (norm=bn: DDP's BatchNorm normalizes each replica's micro-batch, its running
   statistics the replica's own, `forward_sync_buffers=False`; rank 0's evaluate) or synchronized (norm=bn_sync:
   statistics over every replica's micro-batch, `CrossReplicaBatchNorm2d` in gaexp/layers.py on the CPU, where
@@ -37,11 +43,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gaexp.batches import Draw
 from gaexp.config import PrecisionConfig
+from gaexp import machine
+from gaexp.machine import TORCHRUN
 
 log = logging.getLogger("gaexp.app")
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 HOST = "127.0.0.1"  # the replicas of a cell meet on this machine (a multi-node cluster: docs/cluster.md)
+STORE_FILE_ENV = "GAEXP_REPLICAS_STORE"  # launch=slurm: the file a DP cell's tasks meet through (a FileStore)
 PORT_ENV = "GAEXP_REPLICAS_PORT"  # a port to meet on, where a firewall wants one; taken when free, else another
 SETUP_TIMEOUT_S = 600  # the longest a replica's setup (data, model) may take before rank 0 gives up on it
 STEP_TIMEOUT_S = 1800  # the longest one collective may wait for a replica (gloo's default is 30 minutes too)
@@ -76,6 +85,7 @@ class Replicas:
     world: int
     device: torch.device
     norm_group: Any = None  # the process group synchronized BatchNorm reduces over (its own: never in DDP's way)
+    store: Any = None  # where a launcher's replicas hear rank 0's decision and leave their errors (`launched`)
 
     @property
     def leader(self) -> bool:
@@ -100,6 +110,33 @@ class Replicas:
         values = values.clone()
         dist.all_reduce(values)
         return values / self.world
+
+    def tell(self, decision: str) -> None:
+        """Rank 0 to the others, before training: TRAIN, or SKIP (the cell is finished, or rank 0 failed first)."""
+        self.store.set(DECISION, decision)
+
+    def hear(self) -> str:
+        """What rank 0 told (`tell`), waiting for it as long as a replica's setup may take."""
+        self.store.wait([DECISION], datetime.timedelta(seconds=SETUP_TIMEOUT_S))
+        return self.store.get(DECISION).decode()
+
+    def failed(self, error: BaseException) -> None:
+        """This replica's error, one line, left for rank 0 to name (`named_failure`)."""
+        lines = [line for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
+        self.store.set(FAILED.format(self.rank), lines[-1] if lines else type(error).__name__)
+
+    def named_failure(self, wait_s: float = 5.0) -> "ReplicaError | None":
+        """On rank 0, after its training raised: the first other replica that left an error (`failed`), waiting
+        up to `wait_s` for it, since rank 0's error ('Connection closed by peer') may be a symptom of it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank in range(1, self.world):
+                if self.store.check([FAILED.format(rank)]):
+                    why = self.store.get(FAILED.format(rank)).decode()
+                    return ReplicaError(f"replica {rank} of {self.world} failed: {why}")
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -167,6 +204,9 @@ def threads_each(threads: int, replicas: int) -> int:
 
 def problem(replicas: int, precision: PrecisionConfig, compile: str, device: torch.device) -> str | None:
     """Why a cell of `replicas` cannot run as configured (one line naming what is valid), or None."""
+    started = launched()
+    if started is not None and (line := launched_problem(started, replicas)) is not None:
+        return line
     if replicas == 1:
         return None
     if precision.accumulate_in == "fp32":
@@ -176,7 +216,7 @@ def problem(replicas: int, precision: PrecisionConfig, compile: str, device: tor
     if compile == "all":
         return (f"compile=all with regime.replicas={replicas}: a replica's training runs eager under DDP; valid: "
                 "auto, eval, off")
-    if device.type == "cuda" and replicas > torch.cuda.device_count():
+    if device.type == "cuda" and started is None and replicas > torch.cuda.device_count():
         return (f"regime.replicas={replicas}: NCCL needs a GPU per replica and this machine has "
                 f"{torch.cuda.device_count()}; valid: an integer in [1, {torch.cuda.device_count()}]")
     if not dist.is_available():
@@ -190,6 +230,66 @@ def oversubscribed(replicas: int, cores: int) -> str | None:
         return None
     return (f"regime.replicas={replicas} on {cores} core{'s' if cores != 1 else ''}: the replicas share them, each "
             "slower than on a core of its own")
+
+
+# --- replicas a launcher started: torchrun's processes, or launch=slurm's tasks ---------------------
+
+DECISION = "gaexp/decision"  # rank 0 to the others: TRAIN or SKIP
+FAILED = "gaexp/failed/{}"  # a replica's error, one line, for rank 0 to name
+TRAIN, SKIP = "train", "skip"
+
+
+@dataclass(frozen=True)
+class Launched:
+    """This process as one of `world` that a launcher started for one cell: torchrun's (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, its rendezvous's MASTER_ADDR and MASTER_PORT) or launch=slurm's tasks
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and a FileStore at STORE_FILE_ENV on the shared file system)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int  # processes of this cell on this node, sharing its cores (SLURM gives each task its own)
+    by: str  # torchrun, SLURM
+    store_file: str | None = None
+
+
+def launched(environ: Any = None) -> Launched | None:
+    """This process's place among the replicas a launcher started (`Launched`), or None: a cell of w > 1 then
+    starts its own (`Team`)."""
+    env = os.environ if environ is None else environ
+    if env.get(STORE_FILE_ENV) and "SLURM_PROCID" in env:
+        return Launched(int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_LOCALID", 0)),
+                        1, "SLURM", env[STORE_FILE_ENV])
+    if env.get(TORCHRUN):
+        return Launched(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                        int(env.get("LOCAL_WORLD_SIZE", 1)), "torchrun")
+    return None
+
+
+def launched_problem(started: Launched, replicas: int) -> str | None:
+    """Why a cell of `replicas` cannot run on the processes a launcher started (one line), or None."""
+    return machine.launched_problem(started.by, started.world, replicas)
+
+
+def join_launched(started: Launched, device: torch.device) -> Replicas:
+    """This process in its cell's process group, met through its launcher's store: torchrun's rendezvous store
+    (the agent's, where it keeps one), or launch=slurm's FileStore; keys of gaexp's own under a prefix."""
+    if device.type == "cuda":
+        device = torch.device("cuda", started.local_rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=SETUP_TIMEOUT_S)
+    if started.store_file is not None:
+        store: Any = dist.FileStore(started.store_file, started.world)
+    else:
+        leader = started.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), started.world, leader,
+                              timeout=timeout)
+    attempt = f"{os.environ.get(TORCHRUN, '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.PrefixStore(f"gaexp/{attempt}", store)  # a restarted torchrun attempt meets afresh
+    store.set_timeout(timeout)
+    dist.init_process_group(BACKENDS[device.type], store=dist.PrefixStore("group", store), rank=started.rank,
+                            world_size=started.world, timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
+    norm_group = dist.new_group(backend=BACKENDS[device.type])
+    return Replicas(started.rank, started.world, device, norm_group, store)
 
 
 # --- ranks 1..w-1: started by torch.multiprocessing, watched by rank 0 ----------------------------

@@ -147,3 +147,67 @@ def test_under_joblib_a_dp_cell_trains_as_its_accumulation_twin(gaexp_command, g
     assert (dp.data.tags["replicas"], twin.data.tags["replicas"]) == ("2", "1")
     losses = [[m.value for m in client.get_metric_history(r.info.run_id, "train_loss")] for r in (dp, twin)]
     assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+# --- replicas a launcher started: torchrun's processes (launch=slurm's tasks: tests/test_slurm.py) -------------
+
+def torchrun(gaexp_argv, out: Path, *overrides: str, env: dict | None = None):
+    """`torchrun --standalone --nproc-per-node 2 -m gaexp ...` at the tiny budget, one cell (no -m), in `out`."""
+    import subprocess
+    import sys
+
+    argv = gaexp_argv(out, *overrides)
+    assert argv[1:5] == ["-m", "gaexp", "-m", argv[4]] and argv[3] == "-m"  # [python, -m, gaexp, -m, overrides...]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gaexp",
+               *argv[4:]]
+    return subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_under_torchrun_each_process_is_a_replica_of_one_cell_whose_run_rank_0_writes(gaexp_argv, gaexp_command,
+                                                                                     training_runs, tmp_path):
+    """The cell torchrun's two processes train is the one a cell of w = 2 starting its own replicas trains: the same
+    train loss at every evaluation, one MLflow run each; run again, torchrun's processes skip it together."""
+    done = torchrun(gaexp_argv, tmp_path, "norm=bn", "regime=w2b4a2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    client, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = runs.values()
+    assert (run.info.run_name, run.info.status, run.data.tags["replicas"]) == ("bn-w2b4a2-s1", "FINISHED", "2")
+    again = torchrun(gaexp_argv, tmp_path, "norm=bn", "regime=w2b4a2")
+    assert again.returncode == 0 and "skipped, already FINISHED" in again.stdout + again.stderr, again.stderr[-3000:]
+    own = gaexp_command(tmp_path, "norm=bn", "regime=w2b4a2", "rerun=true")
+    assert own.returncode == 0, own.stderr[-3000:]
+    runs = client.search_runs([run.info.experiment_id], "tags.regime = 'w2b4a2'")
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}  # torchrun's again added none
+    losses = [[m.value for m in client.get_metric_history(r.info.run_id, "train_loss")] for r in runs]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+
+
+def test_under_torchrun_a_replicas_error_is_named_in_the_cells_run(gaexp_argv, training_runs, dying):
+    env = {**os.environ, "GAEXP_TEST_FAIL": "1:raise:3"}
+    done = torchrun(gaexp_argv, dying, "model=custom", "model.target=dying:Net", "regime=w2b4a1",
+                    "train.num_iterations=6", env=env)
+    assert done.returncode != 0
+    _, runs = training_runs(f"sqlite:///{dying}/mlflow.db")
+    (run,) = runs.values()
+    assert run.info.status == "FAILED", done.stderr[-3000:]
+    assert run.data.tags["error"].endswith("replica 1 of 2 failed: ValueError: rank 1 gave up at forward 3")
+
+
+def test_torchrun_refuses_a_sweep_and_another_replica_count_in_one_line_per_process(gaexp_argv, tmp_path):
+    other = torchrun(gaexp_argv, tmp_path, "regime=bs4a4")
+    line = ("error: regime.replicas=1 on the 2 processes torchrun started (--nproc-per-node times --nnodes): each "
+            "process is a replica; valid: a regime of 2 replicas (w2bBaK), or 1 process\n")
+    assert other.returncode != 0 and other.stderr.count(line) == 2, other.stderr[-3000:]
+    sweep = torchrun(gaexp_argv, tmp_path, "-m", "regime=w2b4a2")
+    assert sweep.returncode != 0 and sweep.stderr.count("error: gaexp -m under torchrun: each of its processes would "
+                                                        "run the whole sweep; valid: one cell per torchrun") == 2
+    assert not (tmp_path / "mlflow.db").exists()  # nothing recorded
+
+
+def test_the_launchers_environment_says_which_replica_a_process_is():
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", replicas.STORE_FILE_ENV: "/shared/x"}
+    assert replicas.launched(slurm) == replicas.Launched(1, 2, 1, 1, "SLURM", "/shared/x")
+    assert replicas.launched({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) is None  # a SLURM job not launch=slurm's DP cell
+    run = {"TORCHELASTIC_RUN_ID": "r", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert replicas.launched(run) == replicas.Launched(3, 4, 1, 2, "torchrun")
+    assert replicas.launched({}) is None

@@ -20,9 +20,9 @@ HOLDOUT = "data.holdout=1000"
 # Not in the cancelled task's test, whose cell must stay RUNNING long enough to be cancelled on a fast machine.
 
 
-def sacct(slurm, job: str, fields: str = "JobID,JobName,State,Start,End") -> list[dict]:
-    """The cluster's accounting of a job (an array: one row per task)."""
-    proc = slurm.run("sacct", "-n", "-X", "-P", "-j", job, "-o", fields)
+def sacct(slurm, job: str, fields: str = "JobID,JobName,State,Start,End", steps: bool = False) -> list[dict]:
+    """The cluster's accounting of a job (an array: one row per task; `steps`: and one per job step too)."""
+    proc = slurm.run("sacct", "-n", *([] if steps else ["-X"]), "-P", "-j", job, "-o", fields)
     assert proc.returncode == 0, proc.stderr
     return [dict(zip(fields.split(","), line.split("|"))) for line in proc.stdout.splitlines()]
 
@@ -153,3 +153,31 @@ def test_a_cancelled_task_fails_its_cell_alone_and_the_same_command_redoes_only_
     assert sorted((r.info.run_name, r.info.status) for r in cells) == [
         ("gn4-bs16a1-s1", "FINISHED"), ("gn4-bs16a1-s1", "KILLED"), ("gn4-bs4a4-s1", "FINISHED")]
     assert "1 skipped" in again.stdout + again.stderr  # the other cell, not trained again
+
+
+def test_a_dp_cell_is_one_job_of_w_tasks_that_meet_through_slurm_and_train_as_its_twin(slurm, server, tmp_path,
+                                                                                      gaexp_command, training_runs):
+    """w2b4a2 beside its accumulation twin bs4a4, each its own array: the DP cell's job asks for 2 tasks of one
+    CPU each (the cell's 2 shared), SLURM_PROCID is each task's rank, and only rank 0 records; its train loss,
+    averaged over the replicas, is its twin's at every evaluation (the same samples, the same step; one torch
+    thread in every process, as a thread count changes the sums' order: 3e-4 apart at 2 threads)."""
+    uri, _ = server
+    two_cpus = [o for o in SLURM if not o.startswith("hydra.launcher.cpus_per_task=")] + ["hydra.launcher.cpus_per_task=2"]
+    proc = gaexp_command(tmp_path, *two_cpus, f"mlflow.tracking_uri={uri}", "mlflow.experiment_name=slurm-dp",
+                         "norm=bn", "regime=w2b4a2,bs4a4", "threads=1", HOLDOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client, runs = training_runs(uri, "slurm-dp")
+    dp, twin = runs["bn-w2b4a2-s1"], runs["bn-bs4a4-s1"]
+    assert (dp.info.status, twin.info.status) == ("FINISHED", "FINISHED") and len(runs) == 2
+    assert (dp.data.tags["replicas"], dp.data.tags["threads"], twin.data.tags["threads"]) == ("2", "1", "1")
+    losses = [[m.value for m in client.get_metric_history(r.info.run_id, "train_loss")] for r in (dp, twin)]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    job = dp.data.tags["slurm_job_id"]
+    assert job.split("_")[0] != twin.data.tags["slurm_job_id"].split("_")[0]  # an array per replica count
+    steps = {t["JobID"]: t for t in sacct(slurm, job.split("_")[0], "JobID,State,NTasks,AllocCPUS", steps=True)}
+    (step,) = [t for jid, t in steps.items() if jid.endswith(".0")]  # submitit's srun: the cell's two tasks
+    assert (step["NTasks"], step["AllocCPUS"], step["State"]) == ("2", "2", "COMPLETED"), steps
+    scripts = {p.read_text().count("#SBATCH --ntasks-per-node=2"): p.read_text()
+               for p in tmp_path.glob("multirun/*/.submitit/*/*_submission.sh")}
+    assert sorted(scripts) == [0, 1] and "#SBATCH --cpus-per-task=1" in scripts[1]
+    assert "#SBATCH --cpus-per-task=2" in scripts[0] and "GAEXP_REPLICAS_STORE" not in scripts[0]

@@ -170,4 +170,35 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
-        return executor.map_array(self, *zip(*job_params))
+        by_replicas: Dict[int, List[int]] = {}  # one array per replica count: a DP cell's job asks for w tasks
+        for i, overrides in enumerate(job_overrides):
+            by_replicas.setdefault(self.replicas_of(overrides), []).append(i)
+        jobs: List[Any] = [None] * len(job_overrides)
+        for replicas, cells in by_replicas.items():
+            executor.update_parameters(**self.replica_tasks(replicas, sweep_dir))
+            for i, job in zip(cells, executor.map_array(self, *zip(*[job_params[i] for i in cells]))):
+                jobs[i] = job
+        return jobs
+
+    def replicas_of(self, overrides: Sequence[str]) -> int:
+        """A cell's replica count (regime.replicas: `w2b8a1`'s 2), as its job will compose it."""
+        assert self.config is not None and self.hydra_context is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        return int(cfg.regime.replicas)
+
+    def replica_tasks(self, replicas: int, sweep_dir: Path) -> Dict[str, Any]:
+        """The sbatch settings of a cell's job: the launch config's for one replica; for a DP cell, `replicas`
+        tasks on one node sharing the cell's CPUs (cpus_per_task, at least one each), each told the file on the
+        shared file system its replicas meet through (gaexp/replicas.py `launched`: SLURM_PROCID is its rank).
+        Across nodes: torchrun (docs/cluster.md)."""
+        from gaexp.replicas import STORE_FILE_ENV
+
+        setup = list(self.params.get("setup") or [])
+        if replicas == 1:
+            return {"tasks_per_node": self.params.get("tasks_per_node", 1), "nodes": self.params.get("nodes", 1),
+                    "cpus_per_task": self.params.get("cpus_per_task"), "slurm_setup": setup}
+        meet = sweep_dir.resolve() / ".replicas"
+        meet.mkdir(parents=True, exist_ok=True)
+        cpus = self.params.get("cpus_per_task") or replicas
+        return {"tasks_per_node": replicas, "nodes": 1, "cpus_per_task": max(1, int(cpus) // replicas),
+                "slurm_setup": [*setup, f'export {STORE_FILE_ENV}="{meet}/$SLURM_JOB_ID"']}
