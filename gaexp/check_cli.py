@@ -56,6 +56,7 @@ class Subject:
     num_accum: int
     data: DataConfig | None = None  # the dataset of --data (None: random inputs)
     precision: PrecisionConfig | None = None  # a gaexp model's precision=, where its overrides name one
+    replicas: int = 1  # w data-parallel replicas of micro_batch with num_accum // w steps each (--replicas)
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -103,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
         f"b, the micro-batch (default: {DEFAULT_MICRO_BATCH}, or the gaexp regime's when one is given)"))
     p.add_argument("--accum", type=int, default=None, help=(
         f"k, the accumulation steps (default: {DEFAULT_ACCUM}, or the gaexp regime's when one is given)"))
+    p.add_argument("--replicas", type=int, default=None, help=(
+        "w, data-parallel replicas of micro-batch b with k steps each, norms per replica: checked as accumulation "
+        "at b with w*k steps (default: 1, or the gaexp regime's)"))
     p.add_argument("--loss", default=None, metavar="MODULE:CALLABLE", help=(
         "loss(outputs, targets) -> scalar, a mean over its micro-batch (default: cross-entropy, summed over the "
         "heads of a model that returns several); one that takes the whole step's targets as a third positional "
@@ -181,9 +185,14 @@ def _accepts(name: str, accumulate_in: str) -> bool:
         return False
 
 
-def _sizes(args: argparse.Namespace, regime: tuple[int, int] | None = None) -> tuple[int, int]:
-    b, k = regime or (DEFAULT_MICRO_BATCH, DEFAULT_ACCUM)
-    return (args.micro_batch if args.micro_batch is not None else b), (args.accum if args.accum is not None else k)
+def _sizes(args: argparse.Namespace, regime: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """(b, k, w): the micro-batch, the accumulation steps of each replica and the replicas, from the flags, else
+    the gaexp regime's, else the defaults."""
+    b, k, w = regime or (DEFAULT_MICRO_BATCH, DEFAULT_ACCUM, 1)
+    w = args.replicas if args.replicas is not None else w
+    if w < 1:
+        raise CheckError(f"--replicas {w}; valid: a positive integer (1: no data parallelism)")
+    return (args.micro_batch if args.micro_batch is not None else b), (args.accum if args.accum is not None else k), w
 
 
 def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
@@ -201,8 +210,9 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
                  *([f"data={args.data}"] if args.data != "random" else [])]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         regime = compose("config", overrides=list(overrides)).regime if given_regime else None
-        b, k = _sizes(args, (regime.batch_size, regime.num_accum) if regime is not None else None)
-        cfg = compose("config", overrides=[*overrides, f"regime.batch_size={b}", f"regime.num_accum={k}",
+        b, k, w = _sizes(args, (regime.batch_size, regime.num_accum, regime.replicas) if regime is not None else None)
+        cfg = compose("config", overrides=[*overrides, f"regime.batch_size={b}", f"regime.num_accum={w * k}",
+                                           "regime.replicas=1",
                                            f"seed={args.seed}", f"device={args.device}"])
     c = typed(cfg)
     shape, classes = describe(c.data)
@@ -213,8 +223,8 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
     torch.manual_seed(c.seed)
     name = f"model={c.model.name} norm={c.norm.name}"
     given_precision = any(o.split("=")[0].lstrip("+~").split(".")[0] == "precision" for o in overrides)
-    return Subject(make_model(c, shape[0], classes), name, shape, b, k, c.data if args.data != "random" else None,
-                   c.precision if given_precision else None)
+    return Subject(make_model(c, shape[0], classes), name, shape, b, w * k, c.data if args.data != "random" else None,
+                   c.precision if given_precision else None, w)
 
 
 def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
@@ -254,15 +264,15 @@ def from_import_path(target: str, args: argparse.Namespace, keys: Sequence[str] 
                          f"{targets.raised(e, target)}") from None
     if not isinstance(model, nn.Module):
         raise CheckError(f"TARGET={target!r} returned {type(model).__name__}; expected a torch.nn.Module")
-    b, k = _sizes(args)
+    b, k, w = _sizes(args)
     data = data_of(args, keys)
     if data is None:
-        return Subject(model, target, args.input_shape or (3, 224, 224), b, k)
+        return Subject(model, target, args.input_shape or (3, 224, 224), b, w * k, replicas=w)
     shape = describe(data)[0]
     if args.input_shape not in (None, shape):
         raise CheckError(f"--data {args.data} has images of shape {','.join(map(str, shape))}; --input-shape "
                          f"{','.join(map(str, args.input_shape))} (leave it out to use the dataset's)")
-    return Subject(model, target, shape, b, k, data)
+    return Subject(model, target, shape, b, w * k, data, replicas=w)
 
 
 def load_loss(target: str | None) -> Callable[..., torch.Tensor] | None:
@@ -388,9 +398,20 @@ def _header(subject: Subject, args: argparse.Namespace, device: torch.device) ->
 def render(report: Report, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:
     head = _header(subject, args, device)
     if args.json:
-        return json.dumps(_finite({**head, "verdict": VERDICTS[status(report)], **report.to_dict()}),
-                          indent=1, allow_nan=False)
-    return f"gaexp-check {subject.name}: {head['data']}, {device}, seed {args.seed}\n{report}"
+        return json.dumps(_finite({**head, "verdict": VERDICTS[status(report)], "replicas": subject.replicas,
+                                   **report.to_dict()}), indent=1, allow_nan=False)
+    return f"gaexp-check {subject.name}: {head['data']}, {device}, seed {args.seed}\n{replicas_reading(subject)}{report}"
+
+
+def replicas_reading(subject: Subject) -> str:
+    """For --replicas w > 1, the line saying how the verdict reads for data parallelism (docs/check.md, "For data
+    parallelism"); nothing for one replica."""
+    w, b = subject.replicas, subject.micro_batch
+    if w == 1:
+        return ""
+    return (f"data parallelism: {w} replicas x micro-batch {b} x {subject.num_accum // w} steps each, norms per "
+            f"replica, is accumulation at micro-batch {b} x {subject.num_accum} steps: checked below "
+            f"(synchronized norms, nn.SyncBatchNorm, span the replicas' micro-batches and are not)\n")
 
 
 def render_nonfinite(e: NonFiniteError, subject: Subject, args: argparse.Namespace, device: torch.device) -> str:

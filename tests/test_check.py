@@ -261,8 +261,27 @@ def test_the_command_takes_the_regime_and_an_import_path():
     assert status == 1 and "micro-batch 3 x 2" in text and "modules coupling the samples of a batch: 20" in text
 
 
+def test_replicas_read_as_accumulation_over_all_their_micro_batches():
+    """w replicas of b with k steps each, norms per replica, is the check at b with w*k steps: --replicas, or a DP
+    regime's own; its reading said in one line before the verdict, and the verdict that of (b, w*k)."""
+    status, text = run(["model=simple", "norm=bn", "regime=w2b4a2", "--json"])
+    report = json.loads(text)
+    assert status == UNSAFE and (report["replicas"], report["micro_batch"], report["num_accum"]) == (2, 4, 4)
+    status, text = run(["torchvision.models:squeezenet1_1", "--input-shape", "3,32,32", "--micro-batch", "2",
+                        "--accum", "3", "--replicas", "2"])
+    assert status == SAFE and text.splitlines()[1] == (
+        "data parallelism: 2 replicas x micro-batch 2 x 3 steps each, norms per replica, is accumulation at "
+        "micro-batch 2 x 6 steps: checked below (synchronized norms, nn.SyncBatchNorm, span the replicas' "
+        "micro-batches and are not)")
+    assert text.splitlines()[2].startswith("SAFE: micro-batch 2 x 6 accumulation steps against one batch of 12")
+    status, text = run(["model=simple", "norm=gn4", "regime=bs4a4"])
+    assert status == SAFE and "data parallelism" not in text
+
+
 @pytest.mark.parametrize("argv,message", [
     (["nosuch.nets:build"], "TARGET='nosuch.nets:build': cannot import 'nosuch.nets'"),
+    (["model=simple", "norm=gn4", "--replicas", "0"], "--replicas 0; valid: a positive integer (1: no data "
+                                                      "parallelism)"),
     (["torchvision.models:resnet18", "--input-shape", "3,5"], "the model refuses inputs of shape (2, 3, 5)"),
     (["torchvision.models:resnet18", "--input-shape", "3,x"], "'3,x'; valid: one sample's shape"),
     (["torchvision.models:resnet18", "--loss", "builtins:len"], "--loss='builtins:len': expected loss(outputs, "

@@ -6,7 +6,8 @@ the docs is picked up without editing this file. A Hydra command composes with e
 shown (every key and choice exists, no `+` missing, every value of a swept axis) and types (ranges
 checked); the other commands parse their arguments with their own parser; a `make` target and its
 variables exist. A command that cannot run on a development machine says so in its own comment,
-`(needs: slurm)`, `(needs: gpu)`, `(needs: server)` or `(needs: internet)`, and still composes.
+`(needs: slurm)`, `(needs: gpu)`, `(needs: server)`, `(needs: internet)` or `(needs: nodes)` (several machines),
+and still composes. A `torchrun ... -m gaexp ...` line is its gaexp command.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-
            "gaexp.ui": ui.main, "gaexp.eta_replay": eta_replay.main, "gaexp.storegen": storegen.main,
            "gaexp.storebench": storebench.main, "gaexp.server": server.main, "gaexp.gpucheck": gpucheck.main,
            "gaexp.drift": drift.main}
-NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet)\b")  # (needs: internet, once: ...) too
+NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet|nodes)\b")  # (needs: internet, once: ...) too
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ def _command(where: str, text: str) -> Command | None:
     if not argv:
         return None
     head = argv[0]
+    if head == "torchrun" and "-m" in argv:  # torchrun [its options] -m gaexp OVERRIDES: the gaexp command
+        argv = argv[argv.index("-m") + 1:]
+        head = argv[0] if argv else ""
     if Path(head).name in ("python", "python3") and argv[1:2] == ["-m"] and argv[2:3] and argv[2].startswith("gaexp"):
         argv = [argv[2], *argv[3:]]
     elif not (head in ("gaexp", "make") or head.startswith("gaexp-")):
@@ -180,6 +184,7 @@ def test_the_documents_hold_commands_of_every_family():
     for c in COMMANDS:  # what a development machine cannot run says so
         text = " ".join(c.argv)
         cannot = (("launch=slurm" in text and "--cfg" not in text) or re.search(r"https?://(?!127\.0\.0\.1)", text)
+                  or re.search(r"--nnodes[ =](?!1\b)", c.text)
                   or (c.argv[0] == "gaexp" and re.search(r"data=(cifar|svhn)", text))
                   or (c.argv[0] == "gaexp.data" and re.search(r"--dataset (cifar|svhn)", text)))
         assert not cannot or NEEDS.search(c.comment), f"{c}: say what it needs in its comment: # (needs: ...)"
