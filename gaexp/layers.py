@@ -100,10 +100,12 @@ class BatchRenorm2d(nn.BatchNorm2d):
 class CrossReplicaBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm whose training statistics span every replica's micro-batch (norm=bn_sync): what
     `nn.SyncBatchNorm` computes, on any backend (it refuses CPU tensors). Each replica's per-channel count, mean and
-    centred sum of squares are summed over `process_group` by torch.distributed's autograd-aware all-reduce, so the
-    backward carries every replica's share of the statistics' gradient. Its running statistics are updated with
-    the global mean and unbiased variance: the same on every replica. Outside a process group of two or more (one
-    replica, evaluation) it is `nn.BatchNorm2d`, the same calls."""
+    centred sum of squares are summed over `process_group` by torch.distributed's functional all-reduce, whose
+    backward all-reduces the gradient, so every replica's share of the statistics' gradient reaches every replica
+    (`torch.distributed.nn.functional.all_reduce`, the same arithmetic, warns on every replica that it is
+    deprecated). Its running statistics are updated with the global mean and unbiased variance: the same on every
+    replica. Outside a process group of two or more (one replica, evaluation) it is `nn.BatchNorm2d`, the same
+    calls."""
 
     process_group = None  # set by gaexp/replicas.py (`Replicas.wrap`): None, the default group
 
@@ -118,7 +120,7 @@ class CrossReplicaBatchNorm2d(nn.BatchNorm2d):
         if not (self.training and dist.is_available() and dist.is_initialized()
                 and dist.get_world_size(self.process_group) > 1):
             return super().forward(x)
-        from torch.distributed.nn.functional import all_reduce
+        from torch.distributed._functional_collectives import all_reduce
 
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32  # as BatchNorm under autocast
         xs = x.to(compute)
@@ -126,8 +128,8 @@ class CrossReplicaBatchNorm2d(nn.BatchNorm2d):
         local_mean = xs.mean(dim=(0, 2, 3))
         centred = (xs - local_mean.view(1, -1, 1, 1)).square().sum(dim=(0, 2, 3))
         n = torch.full_like(local_mean[:1], count)
-        total = all_reduce(torch.cat([n, n * local_mean, centred + n * local_mean.square()]),
-                           group=self.process_group)
+        total = all_reduce(torch.cat([n, n * local_mean, centred + n * local_mean.square()]), "sum",
+                           self.process_group or dist.group.WORLD)
         c = self.num_features
         size = total[0]
         mean = total[1:1 + c] / size

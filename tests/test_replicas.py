@@ -8,6 +8,7 @@ store, as a cell does; the faults a cell meets (a replica that fails or dies) ar
 from __future__ import annotations
 
 import itertools
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
 def _replica(rank: int, world: int, port: int, norm: str, b: int, k: int, engine: str, steps: int,
              data: Split, out: str) -> None:
     """One replica: `steps` steps of its micro-batches under DDP (no optimizer: the gradients of step 1 are
-    compared; later steps count the all-reduces)."""
+    compared; later steps count the all-reduces). Every warning its steps raise is kept."""
     torch.set_num_threads(1)
     store = dist.TCPStore(replicas.HOST, port, world, False)
     group = replicas.join(rank, world, store, torch.device("cpu"))
@@ -51,12 +52,14 @@ def _replica(rank: int, world: int, port: int, norm: str, b: int, k: int, engine
     gradient = step_function(engine, model, b)
     draws = replicas.replica_draws(micro_batches(len(data), b, SEED), rank, world, k)
     first = None
-    for step in range(steps):
-        gradient(ddp, data, draws, k)
-        first = flat_grads(model) if first is None else first
-        model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            gradient(ddp, data, draws, k)
+            first = flat_grads(model) if first is None else first
+            model.zero_grad(set_to_none=True)
     if rank == 0:
-        torch.save({"grad": first, "calls": calls}, out)
+        torch.save({"grad": first, "calls": calls, "warned": [str(w.message) for w in warned]}, out)
     group.close()
 
 
@@ -99,9 +102,11 @@ def test_per_replica_batchnorm_is_accumulation_not_the_big_batch(tmp_path, data)
 
 
 def test_synchronized_batchnorm_is_the_big_batch(tmp_path, data):
-    dp = replicated(tmp_path, data, "bn_sync", w=2, b=4, k=1)["grad"]
+    out = replicated(tmp_path, data, "bn_sync", w=2, b=4, k=1)
+    dp = out["grad"]
     assert rel(dp, looped(data, "bn", b=8, k=1)) < 1e-10  # statistics over both replicas' 4 samples
     assert rel(dp, looped(data, "bn", b=4, k=2)) > 1e-3  # not accumulation's per-micro-batch statistics
+    assert out["warned"] == []  # torch.distributed.nn's all_reduce warned on every replica that it is deprecated
 
 
 @pytest.mark.parametrize("norm", ["bn", "bn_sync"])
