@@ -16,6 +16,7 @@ A changed admin password is applied to the users' database at start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -189,7 +190,8 @@ def running(argv: list[str], url: str, log_path: Path, what: str = "mlflow serve
                 time.sleep(0.5)
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # its group is gone (it never started): nothing to stop,
+            os.killpg(proc.pid, signal.SIGTERM)       # and the error above, with its log, is what the caller sees
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:

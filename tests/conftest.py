@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from gaexp.datasets import Dataset, open_dataset
 from gaexp.hooks import EvalPoint
 from gaexp.machine import usable_cores
 from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import free_port as slurm_free_port
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,12 +204,9 @@ def training_runs():
 
 @pytest.fixture(scope="session")
 def free_port():
-    """A function returning a TCP port nobody listens on at 127.0.0.1 (for servers the tests start or expect absent)."""
-    def pick() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    return pick
+    """A function returning a TCP port nobody listens on at 127.0.0.1 (for servers the tests start or expect absent),
+    outside the range the kernel hands out for outgoing connections (tests/slurm_cluster.py)."""
+    return slurm_free_port
 
 
 def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: float = 600) -> None:

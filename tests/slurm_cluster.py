@@ -9,6 +9,7 @@ was checked on this machine kind does; `unavailable()` says why a machine cannot
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,9 +38,23 @@ def unavailable() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nobody listens on at 127.0.0.1, below the kernel's ephemeral range: a port from that range
+    (what binding port 0 gives) can be taken, between this pick and the server's bind, as the source port of
+    any process's outgoing connection (the gloo meshes of a DP test on the other worker did, and the server
+    could not start)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:  # not Linux: the usual start of the range
+        low = 32768
+    for port in random.Random().sample(range(max(1024, low // 2), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {max(1024, low // 2)}-{low - 1}")
 
 
 def wait_for(what: str, check, timeout: float, log: Path | None = None) -> None:

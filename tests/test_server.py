@@ -39,6 +39,15 @@ def test_a_server_beyond_the_loopback_is_locked_and_needs_the_admins_password(tm
         server.prepare(parsed("--host", "0.0.0.0", "--auth", "no", "--root", str(tmp_path)), {})
 
 
+def test_a_server_that_cannot_start_is_one_error_with_its_log(tmp_path, free_port):
+    """A server that exits before it answers (here at once, as one whose port was taken does) is the error naming
+    it with its log's end, not the failure to stop the process group it no longer has."""
+    argv = [sys.executable, "-c", "print('[Errno 98] error while attempting to bind: address already in use')"]
+    with pytest.raises(RuntimeError, match="mlflow server did not start: .*address already in use"):
+        with server.running(argv, f"http://127.0.0.1:{free_port()}", tmp_path / "server.log"):
+            pass
+
+
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory, free_port, serve, gaexp_command):
     """The locked server, and a sweep of two cells into it whose config carries a storage URL's password."""
