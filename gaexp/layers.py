@@ -129,7 +129,7 @@ class CrossReplicaBatchNorm2d(nn.BatchNorm2d):
         centred = (xs - local_mean.view(1, -1, 1, 1)).square().sum(dim=(0, 2, 3))
         n = torch.full_like(local_mean[:1], count)
         total = all_reduce(torch.cat([n, n * local_mean, centred + n * local_mean.square()]), "sum",
-                           self.process_group or dist.group.WORLD)
+                           dist.group.WORLD if self.process_group is None else self.process_group)
         c = self.num_features
         size = total[0]
         mean = total[1:1 + c] / size

@@ -30,7 +30,7 @@ from gaexp.datasets import Dataset, open_dataset
 from gaexp.hooks import EvalPoint
 from gaexp.machine import usable_cores
 from tests.slurm_cluster import SlurmCluster
-from tests.slurm_cluster import free_port as slurm_free_port
+from tests.slurm_cluster import free_port as unused_port
 from tests.slurm_cluster import unavailable as slurm_unavailable
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,7 +206,7 @@ def training_runs():
 def free_port():
     """A function returning a TCP port nobody listens on at 127.0.0.1 (for servers the tests start or expect absent),
     outside the range the kernel hands out for outgoing connections (tests/slurm_cluster.py)."""
-    return slurm_free_port
+    return unused_port
 
 
 def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: float = 600) -> None:

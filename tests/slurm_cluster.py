@@ -47,14 +47,15 @@ def free_port() -> int:
             low = int(f.read().split()[0])
     except OSError:  # not Linux: the usual start of the range
         low = 32768
-    for port in random.Random().sample(range(max(1024, low // 2), low), 200):
+    ports = range(max(1024, low // 2), low)
+    for port in random.Random().sample(ports, 200):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise OSError(f"no free port in {max(1024, low // 2)}-{low - 1}")
+    raise OSError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def wait_for(what: str, check, timeout: float, log: Path | None = None) -> None:
