@@ -32,7 +32,9 @@ from scipy import stats  # noqa: E402
 from gaexp import cli, metrics  # noqa: E402
 from gaexp.norms import ORDER as DECLARED_ORDER  # noqa: E402
 from gaexp.config import ADDED_DEFAULTS, CONFIG_DIR, PROTOCOL_COLUMNS, AnalysisConfig, parse_regime  # noqa: E402
-from gaexp.tracking import PLAN_ROLE, SINGLE_RUN, curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
+from gaexp.tags import (BATCH_SIZE, DATASET, MODEL, NORM, NUM_ACCUM, OPTUNA_STUDY, PLAN_ROLE, PRECISION, REGIME,  # noqa: E402
+                        ROLE, SEED, SINGLE_RUN, SWEEP_ID, filter_equals, filter_present, in_sweep, is_training_run)
+from gaexp.tracking import curves_of, newest_run, runs_in_sweep, search_all, sweeps_of  # noqa: E402
 
 
 def column(key: str) -> str:
@@ -42,15 +44,18 @@ def column(key: str) -> str:
 
 
 PROTOCOL = [column(key) for key in PROTOCOL_COLUMNS]  # runs differing in any of these never mix
-TIDY = ["run_id", "sweep_id", "norm", "regime", "batch_size", "num_accum", "seed", *PROTOCOL,
-        "step", "valid_acc", "train_loss"]
-REPORT_ROLE = "report"  # tag gaexp.role of the run that holds a sweep's report
-DATASET, MODEL, PRECISION = "dataset", "model", "precision"  # the protocol columns of data.dataset, model.name
+VALID_ACC, TRAIN_LOSS = metrics.VALID_ACC.name, metrics.TRAIN_LOSS.name  # the histories' columns
+TIDY = ["run_id", SWEEP_ID, NORM, REGIME, BATCH_SIZE, NUM_ACCUM, SEED, *PROTOCOL, "step", VALID_ACC, TRAIN_LOSS]
+# DATASET, MODEL, PRECISION (gaexp.tags): the protocol columns of data.dataset, model.name, precision.name
 ENGINE = column("accumulate")  # and precision.name; ENGINE may differ between cells (auto's fallback), never within one
 PARTS = {DATASET: "data.dataset", MODEL: "model.name", PRECISION: "precision.name"}  # a report never pools two values
 # of these: one per value (and runs of several precisions are compared, `compare_precisions`)
 LAUNCH_WINDOW = "launch_window_start"  # a run's analysis.window_start as its command had it (its sweep's report's)
 RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)
+MEMORY_COLUMNS = [(metrics.ACTIVATION_MB, "mean"), (metrics.SAMPLES_PER_SEC, "mean"), (metrics.WALL_SECONDS, "mean"),
+                  (metrics.PEAK_RSS_MB, "max"), (metrics.CUDA_MAX_MEM_MB, "max"), (metrics.BATCHED_ACTIVATION_MB, "mean"),
+                  (metrics.BATCHED_PEAK_RSS_MB, "max"), (metrics.BATCHED_CUDA_MAX_MEM_MB, "max")]  # the memory table's
+ACTIVATIONS = (metrics.ACTIVATION_MB.name, metrics.BATCHED_ACTIVATION_MB.name)  # its columns in MiB to 2 decimals
 
 
 class AnalysisError(RuntimeError):
@@ -96,21 +101,16 @@ def load_study(study: str) -> AnalysisConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AnalysisConfig), node))
 
 
-def is_training_run(run: Run) -> bool:
-    """A run that trained a cell (or a trial): not a report or study run."""
-    return "norm" in run.data.tags and run.data.tags.get("gaexp.role") != REPORT_ROLE
-
-
 def training_runs(client: MlflowClient, experiment_name: str) -> dict[str, Run]:
     """The training runs of an experiment by run name, whatever their status (none if there is no such
     experiment)."""
     experiment = client.get_experiment_by_name(experiment_name)
     runs = search_all(client, [experiment.experiment_id]) if experiment else []
-    return {r.info.run_name: r for r in runs if is_training_run(r)}
+    return {r.info.run_name: r for r in runs if is_training_run(r.data.tags)}
 
 
 def is_grid_run(run: Run) -> bool:
-    return is_training_run(run) and "optuna.study" not in run.data.tags  # trials of a search are not grid cells
+    return is_training_run(run.data.tags) and OPTUNA_STUDY not in run.data.tags  # trials of a search are not grid cells
 
 
 def latest_sweep(client: MlflowClient, experiment_ids: list[str]) -> str | None:
@@ -120,10 +120,10 @@ def latest_sweep(client: MlflowClient, experiment_ids: list[str]) -> str | None:
               or newest_run(client, experiment_ids, "", is_grid_run))  # unfiltered: a tag filter joins every tag
     if newest is None:
         return None
-    sweep = newest.data.tags.get("sweep_id", "")
-    later = search_all(client, experiment_ids, f"tags.`gaexp.role` = '{PLAN_ROLE}' and "
+    sweep = in_sweep(newest.data.tags)
+    later = search_all(client, experiment_ids, f"{filter_equals(ROLE, PLAN_ROLE)} and "
                                                f"attributes.start_time > {newest.info.start_time}")
-    for resume in sorted({p.data.tags.get("sweep_id", "") for p in later}, reverse=True):
+    for resume in sorted({in_sweep(p.data.tags) for p in later}, reverse=True):
         if resume > sweep and any(is_grid_run(r) for r in runs_in_sweep(client, experiment_ids, resume)):
             return resume
     return sweep
@@ -165,7 +165,7 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
         raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
     unknown = [s for s in sweep.split(",") if not any(s in sweeps_of(r) for r in runs)] if sweep != "all" else []
     if unknown:
-        there = sorted({s for r in search_all(client, ids, "tags.norm != ''") if is_grid_run(r) for s in sweeps_of(r)})
+        there = sorted({s for r in search_all(client, ids, filter_present(NORM)) if is_grid_run(r) for s in sweeps_of(r)})
         if not there:
             raise AnalysisError(f"experiment {experiment_name!r} has no gaexp runs")
         raise AnalysisError(f"no sweep {','.join(sorted(unknown))!r} in experiment {experiment_name!r}; there: {there}")
@@ -177,16 +177,15 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
                              *(run.data.tags.get(name, ADDED_DEFAULTS[key]) for name, key in PARTS.items())))
             continue
         tags, params = run.data.tags, run.data.params
-        base = {"run_id": run.info.run_id, "sweep_id": tags.get("sweep_id", ""), "norm": tags["norm"],
-                "regime": tags["regime"], "batch_size": int(tags["batch_size"]),
-                "num_accum": int(tags["num_accum"]), "seed": int(tags["seed"]),
+        base = {"run_id": run.info.run_id, SWEEP_ID: in_sweep(tags), NORM: tags[NORM], REGIME: tags[REGIME],
+                BATCH_SIZE: int(tags[BATCH_SIZE]), NUM_ACCUM: int(tags[NUM_ACCUM]), SEED: int(tags[SEED]),
                 **{name: _number(params.get(key, str(ADDED_DEFAULTS.get(key, "nan"))))
                    for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
         run_rows.append({**{k: base[k] for k in [*TIDY[:7], *PARTS]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS},
                          LAUNCH_WINDOW: _number(params.get("analysis.window_start", "nan"))})
         for step, acc, loss in curves(client, run):
-            rows.append({**base, "step": step, "valid_acc": acc, "train_loss": loss})
+            rows.append({**base, "step": step, VALID_ACC: acc, TRAIN_LOSS: loss})
     data = pd.DataFrame(rows, columns=TIDY)
     collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
                           pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS, LAUNCH_WINDOW]))
@@ -210,7 +209,7 @@ def curves(client: MlflowClient, run: Run) -> list[tuple[int, float, float]]:
     else:
         histories = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                      for key in metrics.HISTORIES}
-        points = {step: (acc, histories["train_loss"].get(step, np.nan)) for step, acc in histories["valid_acc"].items()}
+        points = {step: (acc, histories[TRAIN_LOSS].get(step, np.nan)) for step, acc in histories[VALID_ACC].items()}
     return [(step, *points[step]) for step in sorted(points)]
 
 
@@ -242,17 +241,13 @@ def memory_table(runs: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
     """Per regime: micro-batch (per replica), effective batch (w*b*k over the replicas), activation memory per micro-batch, speed, peaks. The activation
     column is what the loop holds whichever engine ran; runs of accumulate=batched add what they held
     (`batched_*` columns: the b*k samples of a step, and their process peaks, never the loop's)."""
-    table = runs.groupby("regime").agg(
-        micro_batch=("batch_size", "first"), num_accum=("num_accum", "first"), runs=("run_id", "count"),
-        activation_mb=("activation_mb", "mean"), samples_per_sec=("samples_per_sec", "mean"),
-        wall_seconds=("wall_seconds", "mean"), peak_rss_mb=("peak_rss_mb", "max"),
-        cuda_max_mem_mb=("cuda_max_mem_mb", "max"), batched_activation_mb=("batched_activation_mb", "mean"),
-        batched_peak_rss_mb=("batched_peak_rss_mb", "max"), batched_cuda_max_mem_mb=("batched_cuda_max_mem_mb", "max"))
+    table = runs.groupby(REGIME).agg(micro_batch=(BATCH_SIZE, "first"), num_accum=(NUM_ACCUM, "first"),
+                                     runs=("run_id", "count"), **{m.name: (m.name, how) for m, how in MEMORY_COLUMNS})
     replicas = [(parse_regime(str(name)) or (0, 0, 1))[2] for name in table.index]  # w2b8a1: 2; bs16a1: 1
     table.insert(1, "effective_batch", table.micro_batch * table.num_accum * replicas)
-    table = table.drop(columns="num_accum").reindex(_order(table.index, design.regime_order))
+    table = table.drop(columns=NUM_ACCUM).reindex(_order(table.index, design.regime_order))
     if design.reference in table.index:
-        table.insert(3, f"activation_vs_{design.reference}", table.activation_mb / table.activation_mb[design.reference])
+        table.insert(3, f"activation_vs_{design.reference}", table[ACTIVATIONS[0]] / table[ACTIVATIONS[0]][design.reference])
     return table.dropna(axis="columns", how="all")
 
 
@@ -590,14 +585,14 @@ def _grid(n_panels: int, max_cols: int = 3):
     return fig, axes.flat[:n_panels]
 
 
-def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisConfig | None = None) -> plt.Figure:
+def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisConfig | None = None) -> plt.Figure:
     """One panel per norm, one colour per regime: mean over seeds, band from min to max; accuracy in %, as the
     tables give it, against whole optimizer steps."""
     from matplotlib.ticker import MaxNLocator
 
     design = design or AnalysisConfig()
-    if metric == "valid_acc":
-        data = data.assign(valid_acc=100 * data.valid_acc)
+    if metric == VALID_ACC:
+        data = data.assign(**{VALID_ACC: 100 * data[VALID_ACC]})
     norms = _order(data.norm, norm_order(design))
     regimes = _order(data.regime, design.regime_order)
     colors = dict(zip(design.regime_order, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
@@ -614,7 +609,7 @@ def plot_curves(data: pd.DataFrame, metric: str = "valid_acc", design: AnalysisC
         ax.set_title(norm, fontsize=12)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: a short run's few never show as 2.5
-    if metric == "valid_acc":  # zoom on the effective-batch-16 curves; bs1a1 may start below
+    if metric == VALID_ACC:  # zoom on the effective-batch-16 curves; bs1a1 may start below
         focus = stats_[stats_.regime.isin(design.table_columns)]
         low = (focus if not focus.empty else stats_)["mean"].min()
         axes[0].set_ylim(max(0.0, min(low, 95) - 2), 100)
@@ -649,7 +644,7 @@ def format_memory(memory: pd.DataFrame) -> str:
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for regime, row in memory.iterrows():
         cells = [f"{v:.0f}" if k in ("micro_batch", "effective_batch", "runs") else
-                 f"{v:.3f}" if k == "activation_vs_bs16a1" else f"{v:.2f}" if k in ("activation_mb", "batched_activation_mb") else f"{v:.0f}"
+                 f"{v:.3f}" if k == "activation_vs_bs16a1" else f"{v:.2f}" if k in ACTIVATIONS else f"{v:.0f}"
                  for k, v in row.items()]
         lines.append("| " + " | ".join([regime, *cells]) + " |")
     return "\n".join(lines) + "\n"
@@ -746,7 +741,7 @@ def export_tables(collected: Collected, summary: Summary, out: Path) -> list[Pat
     written = [out / "table.md", out / "table.csv", out / "cells.csv", out / "paired.csv", out / "runs.csv",
                out / "ranking.csv"]
     text = format_table(summary)
-    if collected.runs is not None and collected.runs.activation_mb.notna().any():
+    if collected.runs is not None and collected.runs[ACTIVATIONS[0]].notna().any():
         memory = memory_table(collected.runs, summary.design)
         text += "\n" + format_memory(memory)
         memory.to_csv(out / "memory.csv")
@@ -769,7 +764,7 @@ def export_tables(collected: Collected, summary: Summary, out: Path) -> list[Pat
 def export_plots(collected: Collected, summary: Summary, out: Path) -> list[Path]:
     """The learning curves of valid_acc and train_loss, PNG and PDF (seconds: the report's slow part)."""
     written = []
-    for metric, stem in (("valid_acc", "curves"), ("train_loss", "train_loss")):
+    for metric, stem in ((VALID_ACC, "curves"), (TRAIN_LOSS, TRAIN_LOSS)):  # files named curves and after the metric
         fig = plot_curves(collected.data, metric, summary.design)
         for suffix in (".png", ".pdf"):
             fig.savefig(out / f"{stem}{suffix}", dpi=150)

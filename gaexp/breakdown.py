@@ -35,7 +35,9 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import cli, metrics
 from gaexp.redact import mask
-from gaexp.tracking import CELL_START, HOST, PLAN_ROLE, PROCESS_START, newest_run, runs_in_sweep, search_all
+from gaexp.tags import (BATCH_SIZE, CELL_START, COMPILED, DATASET, HOST, MODEL, NORM, NUM_ACCUM, PLAN_ROLE, PROCESS_START,
+                        REPLICAS, ROLE, SWEEP_ID, filter_equals, in_sweep, is_training_run)
+from gaexp.tracking import newest_run, runs_in_sweep, search_all
 
 # The table's rows: (key, label). `shares` gives each its worker-seconds.
 PARTS = (("process", "process start and imports"),
@@ -261,19 +263,19 @@ def process_epoch(ticks: str | None, host: str, run_start: float, this_host: str
 
 def plan_run(client: MlflowClient, experiment_id: str, experiment_name: str, sweep: str) -> Run:
     """The plan run of `sweep` ('latest': the newest), or BreakdownError naming the sweeps there."""
-    plans = f"tags.`gaexp.role` = '{PLAN_ROLE}'"
+    plans = filter_equals(ROLE, PLAN_ROLE)
     if sweep == "latest":
         found = newest_run(client, [experiment_id], plans)
     elif "'" not in sweep:
-        found = next(iter(client.search_runs([experiment_id], f"{plans} and tags.sweep_id = '{sweep}'",
+        found = next(iter(client.search_runs([experiment_id], f"{plans} and {filter_equals(SWEEP_ID, sweep)}",
                                              max_results=1)), None)
     else:
         found = None
     if found is not None:
         return found
-    there = sorted({p.data.tags.get("sweep_id", "") for p in search_all(client, [experiment_id], plans)} - {""})
+    there = sorted({in_sweep(p.data.tags) for p in search_all(client, [experiment_id], plans)} - {""})
     if not there:
-        raise BreakdownError(f"experiment {experiment_name!r} has no grid sweep (no plan run, tag gaexp.role = "
+        raise BreakdownError(f"experiment {experiment_name!r} has no grid sweep (no plan run, tag {ROLE} = "
                              f"{PLAN_ROLE}): an Optuna search or single runs record none")
     raise BreakdownError(f"no grid sweep {sweep!r} in experiment {experiment_name!r}; there: {', '.join(there)}")
 
@@ -293,10 +295,10 @@ def run_times(client: MlflowClient, run: Run, now: float, this_host: str, btime:
     if info.status != "FINISHED" or not all(k in values for k in needed) or "train.num_iterations" not in params:
         return times
     history = sorted((m.step, m.timestamp / 1000) for m in client.get_metric_history(info.run_id, metrics.VALID_ACC.name))
-    training = training_seconds(int(params["train.num_iterations"]), int(tags["batch_size"]),  # over all replicas
-                                int(tags["num_accum"]) * int(tags.get("replicas", 1)), values[metrics.SAMPLES_PER_SEC.name])
-    compiled = tags.get("compiled", "off")
-    graph = None if compiled == "off" else (tags.get("model", ""), tags.get("dataset", ""), tags["norm"], compiled)
+    training = training_seconds(int(params["train.num_iterations"]), int(tags[BATCH_SIZE]),  # over all replicas
+                                int(tags[NUM_ACCUM]) * int(tags.get(REPLICAS, 1)), values[metrics.SAMPLES_PER_SEC.name])
+    compiled = tags.get(COMPILED, "off")
+    graph = None if compiled == "off" else (tags.get(MODEL, ""), tags.get(DATASET, ""), tags[NORM], compiled)
     return RunTimes(worker, start, end, cell_start, times.process_start, values[metrics.WALL_SECONDS.name], training,
                     tuple(history), graph, info.run_name)
 
@@ -315,13 +317,13 @@ def read_sweep(client: MlflowClient, experiment_name: str, sweep: str, now: floa
         names = [e.name for e in client.search_experiments()]
         raise BreakdownError(f"no experiment {experiment_name!r} in {mask(client.tracking_uri)}; there: {names}")
     plan = plan_run(client, experiment.experiment_id, experiment_name, sweep)
-    sweep_id = plan.data.tags["sweep_id"]
+    sweep_id = plan.data.tags[SWEEP_ID]
     notes = []
     end = plan.info.end_time / 1000 if plan.info.end_time else now
     if not plan.info.end_time:
         notes.append(f"note: the sweep is still running ({plan.info.status}): its time up to now")
-    found = [r for r in runs_in_sweep(client, [experiment.experiment_id], sweep_id) if "norm" in r.data.tags]
-    trained = [r for r in found if r.data.tags.get("sweep_id") == sweep_id]
+    found = [r for r in runs_in_sweep(client, [experiment.experiment_id], sweep_id) if is_training_run(r.data.tags)]
+    trained = [r for r in found if in_sweep(r.data.tags) == sweep_id]
     if len(found) > len(trained):
         notes.append(f"note: {len(found) - len(trained)} cells were skipped, FINISHED by an earlier sweep: not counted")
     runs = [run_times(client, r, now, this_host, btime, clk_tck) for r in trained]

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from gaexp import liveness, redact
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, Config, job_config, typed
 from gaexp.machine import torchrun_rank
+from gaexp.tags import report_tags
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
@@ -235,8 +236,7 @@ class ReportCallback(Callback):
                 log.warning("no report for sweep %s on %s: %s (rerun: %s)", sweep_id, ", ".join(part.values()), summary,
                             report_command(sweep_id, design, config, part))
                 continue
-            tags = {"gaexp.role": analysis.REPORT_ROLE, "sweep_id": sweep_id, **part}
-            with tracking.tracked_run(client, experiment_id, name, tags) as run_id:
+            with tracking.tracked_run(client, experiment_id, name, report_tags(sweep_id, part)) as run_id:
                 tracking.log_params(client, run_id, {"analysis": dataclasses.asdict(design)})  # margin, window...
                 for path in written:
                     client.log_artifact(run_id, str(path))

@@ -33,6 +33,7 @@ from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopW
 from gaexp.machine import usable_cores
 from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, reset_peak_rss, sample_bytes
 from gaexp.model import check_model, make_model
+from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags
 from gaexp.train import compile_phases, resolve_device, train
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
@@ -247,18 +248,15 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     compiled = compile_phases(c.compile, c.norm.name, device)
     if c.regime.replicas > 1:  # under DDP a replica's training runs eager (`replicas.problem` refuses compile=all)
         compiled -= {"train"}
-    tags = {"dataset": c.data.dataset, "model": c.model.name, "norm": c.norm.name, "regime": c.regime.name, "seed": c.seed,
-            "batch_size": c.regime.batch_size, "num_accum": c.regime.num_accum, "replicas": c.regime.replicas,
-            "accumulate": c.accumulate,
-            "precision": c.precision.name,
-            engine.SETTING_TAG: choice.setting, **({} if in_sweep else {tracking.SINGLE_RUN: "true"}),
-            **({tracking.CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
-            **({engine.FALLBACK_TAG: choice.reason} if choice.fell_back else {}),
-            "sweep_id": sweep_id,
-            tracking.SWEEPS: sweep_id, "protocol_key": key,
-            "device": device.type, "threads": torch.get_num_threads(),
-            "compiled": ",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
-            **trial.trial_tags(c.optuna)}
+    tags = cell_tags(dataset=c.data.dataset, model=c.model.name, norm=c.norm.name, regime=c.regime.name, seed=c.seed,
+                     batch_size=c.regime.batch_size, num_accum=c.regime.num_accum, replicas=c.regime.replicas,
+                     accumulate=c.accumulate, precision=c.precision.name, setting=choice.setting, sweep_id=sweep_id,
+                     protocol_key=key, device=device.type, threads=torch.get_num_threads(),
+                     compiled=",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
+                     **({} if in_sweep else {SINGLE_RUN: "true"}),
+                     **({CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
+                     **({ACCUMULATE_FALLBACK: choice.reason} if choice.fell_back else {}),
+                     **trial.trial_tags(c.optuna))
     reporting = [trial.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:
@@ -284,7 +282,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                     history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
                                     c.accumulate, precision.Precision(c.precision, device), group)
             except DivergedError as e:
-                client.set_tag(run_id, "diverged_step", str(e.step))
+                client.set_tag(run_id, DIVERGED_STEP, str(e.step))
                 raise
             if watch is not None and watch.gone:  # trained to its end for nobody: a rerun may be training it
                 raise SweepGone(c.train.num_iterations, watch.reason)

@@ -16,15 +16,16 @@ from typing import Sequence
 from mlflow.tracking import MlflowClient
 
 from gaexp.analysis import PARTS, training_runs
-from gaexp import cli, engine, metrics
+from gaexp import cli, metrics
 from gaexp.config import ADDED_DEFAULTS
-from gaexp.tracking import CELL_START, CURVES, SINGLE_RUN
+from gaexp.tags import (ACCUMULATE, ACCUMULATE_SETTING, CELL_START, CURVES, HEARTBEAT, HOST, PROCESS_START, REPLICAS,
+                        SINGLE_RUN, SWEEP_ID, SWEEPS)
 
 MEASURED = metrics.MEASURED  # vary run to run
-PLACE_TAGS = {"sweep_id", "gaexp.sweeps", "gaexp.host", "gaexp.process_start", "gaexp.heartbeat",  # where and when,
-              CELL_START, engine.SETTING_TAG, SINGLE_RUN}  # and how it was asked (the engine used is the tag accumulate): not what
+PLACE_TAGS = {SWEEP_ID, SWEEPS, HOST, PROCESS_START, HEARTBEAT,  # where and when,
+              CELL_START, ACCUMULATE_SETTING, SINGLE_RUN}  # and how it was asked (the engine used is the tag accumulate): not what
 ADDED_TAGS = {**{tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()},  # tags runs recorded before them lack:
-              "accumulate": ADDED_DEFAULTS["accumulate"], "replicas": ADDED_DEFAULTS["regime.replicas"]}  # this value
+              ACCUMULATE: ADDED_DEFAULTS["accumulate"], REPLICAS: ADDED_DEFAULTS["regime.replicas"]}  # this value
 
 
 def same_tag(name: str, left: str | None, right: str | None) -> bool:

@@ -22,7 +22,6 @@ from gaexp.batched import UnchunkableError, coupled_layers
 from gaexp.config import AUTO_ENGINE, ENGINES, PrecisionConfig
 
 LOOP, BATCHED = ENGINES
-SETTING_TAG, FALLBACK_TAG = "accumulate_setting", "accumulate_fallback"  # a run's tags: what was asked; auto's reason
 
 
 @dataclass(frozen=True)

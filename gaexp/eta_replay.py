@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import cli, progress
 from gaexp.redact import mask
+from gaexp.tags import in_sweep
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def cells_at(runs: Sequence[Run], t_ms: int, sweep_id: str) -> list[progress.Cel
     for run, graphs, fresh in progress.firsts([r for r in runs if r.info.start_time <= t_ms], sweep_id):
         tags, params = run.data.tags, run.data.params
         ended = run.info.end_time is not None and run.info.end_time <= t_ms
-        status = ("SKIPPED" if tags.get("sweep_id") != sweep_id else run.info.status) if ended else "RUNNING"
+        status = ("SKIPPED" if in_sweep(tags) != sweep_id else run.info.status) if ended else "RUNNING"
         end = run.info.end_time if ended else t_ms
         cells.append(progress.Cell(run.info.run_name, status, progress.cell_seconds(tags, params),
                                    (end - run.info.start_time) / 1000, new_graphs=graphs, fresh=fresh))
@@ -53,7 +54,7 @@ def cells_at(runs: Sequence[Run], t_ms: int, sweep_id: str) -> list[progress.Cel
 def replay(plan_run: Run, runs: Sequence[Run]) -> list[Moment]:
     """The ETA the accounting gives at each cell's end, beside the truth."""
     recorded = progress.plan_of(plan_run)  # its cells and cells at once; the work as the sweeper costs it now
-    sweep_id = plan_run.data.tags["sweep_id"]
+    sweep_id = in_sweep(plan_run.data.tags)
     costs = [(progress.cell_seconds(run.data.tags, run.data.params), graphs)  # by start: the launch order
              for run, graphs, _ in progress.firsts(runs, sweep_id)]
     graphs = progress.graph_units(frozenset().union(*(progress.run_graphs(r.data.tags) for r in runs)))

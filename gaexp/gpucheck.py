@@ -26,10 +26,11 @@ import pandas as pd
 import torch
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, bench, compare
+from gaexp import analysis, bench, compare, metrics
 from gaexp.data import data_config
 from gaexp.datasets import fetch, open_dataset, splits
 from gaexp.train import resolve_device
+from gaexp.tags import REGIME
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,11 @@ def sharing(plan: Plan, device: str, data_root: str, work: Path, first_wall: flo
 
 def memory(work: Path, device: str, summary: Summary) -> None:
     collected = analysis.collect(MlflowClient(f"sqlite:///{work}/grid-device/mlflow.db"), "gaexp", "all")
-    if "cuda_max_mem_mb" not in collected.runs or collected.runs.cuda_max_mem_mb.isna().all():
+    peak = metrics.CUDA_MAX_MEM_MB.name
+    if peak not in collected.runs or collected.runs[peak].isna().all():
         summary.add(f"peak CUDA memory per regime: none recorded (device={device})")
         return
-    peaks = collected.runs.groupby("regime").cuda_max_mem_mb.max()
+    peaks = collected.runs.groupby(REGIME)[peak].max()
     summary.add("peak CUDA memory per regime (MiB): " + ", ".join(f"{r} {v:.0f}" for r, v in peaks.items()))
 
 

@@ -38,6 +38,13 @@ BATCHED_CUDA_MAX_MEM_MB = Metric("batched_cuda_max_mem_mb", RESOURCE, "accumulat
 LOSS_SCALE = Metric("loss_scale", EVALUATION, "the GradScaler's loss scale at each evaluation", only=SCALER)
 SKIPPED_STEPS = Metric("skipped_steps", RESULT, "optimizer steps the GradScaler skipped whole (a gradient not finite)",
                        only=SCALER)
+# A search's own runs (gaexp/tuning.py), not a cell's: a study's parent run, stepped by its trial count (and
+# `best.<param>` for each numeric param of the best trial), and a trial's run when it has repeats (and `value.<repeat>`).
+STUDY, TRIAL = "study", "trial"
+BEST_VALUE = Metric("best_value", STUDY, "the best trial's value of the objective")
+BEST_TRIAL = Metric("best_trial", STUDY, "the best trial's number")
+TRIAL_VALUE = Metric("value", TRIAL, "the trial's value: the mean of its repeats' values")
+SEARCH_METRICS = (BEST_VALUE, BEST_TRIAL, TRIAL_VALUE)
 
 METRICS = (VALID_ACC, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
            SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB,

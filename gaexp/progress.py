@@ -33,7 +33,10 @@ from tqdm import tqdm
 from gaexp import cli, metrics
 from gaexp.config import FP32
 from gaexp.redact import mask, reconnectable
-from gaexp.tracking import HEARTBEAT, HOST, PLAN_ROLE, newest_run, recorded_process, runs_in_sweep, search_all
+from gaexp.tags import (ACCUMULATE, BATCH_SIZE, CELLS, CELLS_AT_ONCE, COMPILED, COSTS, DATASET, DEVICE, EXPECTED_S, GRAPHS,
+                        HEARTBEAT, HOST, MODEL, NORM, NUM_ACCUM, OPTUNA_STUDY, PLAN_ROLE, PRECISION, REPLICAS, ROLE, SWEEP_ID,
+                        filter_equals, filter_present, in_sweep, is_training_run)
+from gaexp.tracking import newest_run, recorded_process, runs_in_sweep, search_all
 from hydra_plugins.gaexp_optuna_sweeper import tally as trials
 from hydra_plugins.gaexp_optuna_sweeper.tally import duration
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
@@ -57,8 +60,6 @@ VALID_IMAGES = 10_000  # the test set; data.holdout=N evaluates N held-out image
 # that finish correct the speed (fit_rates).
 PRECISION_COST = {"bf16": 1.0, "bf16w": 1.2, "bf16w-acc32": 0.9, "fp16": 10.0}
 log = logging.getLogger(__name__)
-ROLE = PLAN_ROLE  # gaexp.role of the run that records a sweep's plan
-COSTS = "gaexp.costs"  # a plan run's tag: "expected:graphs" of each cell in launch order (left out past MAX_COSTS)
 MAX_COSTS = 8000  # characters: MLflow's limit on a tag's value
 DONE = ("FINISHED", "FAILED", "KILLED")
 
@@ -108,18 +109,18 @@ def graph_units(keys: Iterable[tuple[str, ...]]) -> float:
 def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     """`expected_seconds` of a cell's run, from its tags and logged config (w replicas: their core-seconds, as
     `replica_work` counts them)."""
-    return expected_seconds(int(tags["batch_size"]), replica_work(int(tags["num_accum"]), int(tags.get("replicas", 1))),
+    return expected_seconds(int(tags[BATCH_SIZE]), replica_work(int(tags[NUM_ACCUM]), int(tags.get(REPLICAS, 1))),
                             int(params["train.num_iterations"]),
                             int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
-                            float(params.get("model.cost", 1.0)), tags.get("accumulate", "loop"),
-                            precision_cost(tags.get("precision", FP32), tags.get("device", "cpu")))
+                            float(params.get("model.cost", 1.0)), tags.get(ACCUMULATE, "loop"),
+                            precision_cost(tags.get(PRECISION, FP32), tags.get(DEVICE, "cpu")))
 
 
 def run_graphs(tags: Mapping[str, str]) -> frozenset[tuple[str, ...]]:
     """`graph_keys` of a cell's run, from its tags (`compiled`: what it compiled)."""
-    phases = [] if tags.get("compiled", "off") == "off" else tags["compiled"].split(",")
-    return graph_keys(phases, tags.get("model", ""), tags.get("dataset", ""), tags.get("norm", ""),
-                      int(tags.get("batch_size", 0)), tags.get("accumulate", "loop"))
+    phases = [] if tags.get(COMPILED, "off") == "off" else tags[COMPILED].split(",")
+    return graph_keys(phases, tags.get(MODEL, ""), tags.get(DATASET, ""), tags.get(NORM, ""),
+                      int(tags.get(BATCH_SIZE, 0)), tags.get(ACCUMULATE, "loop"))
 
 
 @dataclass(frozen=True)
@@ -296,8 +297,8 @@ def summary_line(s: Snapshot, work: bool = True) -> str:
 
 def sweep_runs(client: MlflowClient, experiment_id: str, sweep_id: str) -> tuple[Run | None, list[Run]]:
     """The sweep's plan run (None if not recorded) and its cells' runs (trained or skipped by it)."""
-    cells = [r for r in runs_in_sweep(client, [experiment_id], sweep_id) if "norm" in r.data.tags]
-    plans = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{ROLE}' and tags.sweep_id = '{sweep_id}'",
+    cells = [r for r in runs_in_sweep(client, [experiment_id], sweep_id) if is_training_run(r.data.tags)]
+    plans = client.search_runs([experiment_id], f"{filter_equals(ROLE, PLAN_ROLE)} and {filter_equals(SWEEP_ID, sweep_id)}",
                                max_results=1)
     return (plans[0] if plans else None), cells
 
@@ -318,15 +319,15 @@ def plan_of(run: Run | None) -> Plan:
     if run is None:
         return Plan(None, None, None)
     tags = run.data.tags
-    at_once = tags.get("gaexp.cells_at_once", "")
-    return Plan(int(tags["gaexp.cells"]), float(tags["gaexp.expected_s"]), int(at_once) if at_once.isdigit() else None,
+    at_once = tags.get(CELLS_AT_ONCE, "")
+    return Plan(int(tags[CELLS]), float(tags[EXPECTED_S]), int(at_once) if at_once.isdigit() else None,
                 run.info.start_time / 1000, run.info.end_time / 1000 if run.info.end_time else None,
-                float(tags.get("gaexp.graphs", 0)), plan_costs(tags.get(COSTS)))
+                float(tags.get(GRAPHS, 0)), plan_costs(tags.get(COSTS)))
 
 
 def cell_of(client: MlflowClient, run: Run, sweep_id: str, now: float, new_graphs: float = 0.0, fresh: int = 0) -> Cell:
     info, tags, params = run.info, run.data.tags, run.data.params
-    status = "SKIPPED" if tags.get("sweep_id") != sweep_id and info.status == "FINISHED" else info.status
+    status = "SKIPPED" if in_sweep(tags) != sweep_id and info.status == "FINISHED" else info.status
     end = info.end_time / 1000 if info.end_time else now
     steps = int(params.get("train.num_iterations", 0))
     step, acc = steps, run.data.metrics.get(metrics.FINAL_VALID_ACC.name)
@@ -357,7 +358,7 @@ def firsts(runs: Sequence[Run], sweep_id: str) -> list[tuple[Run, float, int]]:
         host = run.data.tags.get(HOST)  # none: a run recorded before gaexp tagged it, not counted as a first
         fresh = int(host is not None and host not in hosts)
         hosts.add(host)
-        skipped = run.data.tags.get("sweep_id") != sweep_id
+        skipped = in_sweep(run.data.tags) != sweep_id
         out.append((run, 0.0 if skipped else graph_units(graphs), 0 if skipped else fresh))
     return out
 
@@ -456,17 +457,17 @@ def sweeps_to_show(client: MlflowClient, experiment_id: str, wanted: str) -> lis
     sweep), 'latest' (the newest sweep), 'all', or ids, comma-separated."""
     if wanted not in SWEEP_CHOICES:
         return wanted.split(",")
-    plan_filter = f"tags.`gaexp.role` = '{ROLE}'"
+    plan_filter = filter_equals(ROLE, PLAN_ROLE)
     if wanted == "all":
         plans = search_all(client, [experiment_id], plan_filter, ["attributes.start_time DESC"])
-        runs = search_all(client, [experiment_id], "tags.norm != ''", ["attributes.start_time DESC"])
-        ids = dict.fromkeys([p.data.tags["sweep_id"] for p in plans] + [r.data.tags.get("sweep_id", "") for r in runs])
+        runs = search_all(client, [experiment_id], filter_present(NORM), ["attributes.start_time DESC"])
+        ids = dict.fromkeys([p.data.tags[SWEEP_ID] for p in plans] + [in_sweep(r.data.tags) for r in runs])
         return [i for i in ids if i]
     if wanted == "active":
-        active = [p.data.tags["sweep_id"] for p in search_all(client, [experiment_id], plan_filter + " and "
+        active = [p.data.tags[SWEEP_ID] for p in search_all(client, [experiment_id], plan_filter + " and "
                                                                  "attributes.status = 'RUNNING'")]
-        searching = search_all(client, [experiment_id], "attributes.status = 'RUNNING' and tags.`optuna.study` != ''")
-        active += [r.data.tags["sweep_id"] for r in searching]  # an Optuna sweep records no plan run: its trials running
+        searching = search_all(client, [experiment_id], f"attributes.status = 'RUNNING' and {filter_present(OPTUNA_STUDY)}")
+        active += [r.data.tags[SWEEP_ID] for r in searching]  # an Optuna sweep records no plan run: its trials running
         if active:
             return list(dict.fromkeys(active))
     newest = newest_sweep(client, experiment_id)
@@ -480,22 +481,22 @@ def newest_sweep(client: MlflowClient, experiment_id: str) -> str | None:
     """The sweep that started last, of any kind: that of the newer of the newest plan run (a grid sweep, or
     one that only resumed over finished cells) and the newest cell run (a grid's cell, a search's trial,
     which records no plan run, or a run of no sweep). None: neither."""
-    found = [run for run in (newest_run(client, [experiment_id], f"tags.`gaexp.role` = '{ROLE}'"),
-                             newest_run(client, [experiment_id], "", lambda run: "norm" in run.data.tags))
+    found = [run for run in (newest_run(client, [experiment_id], filter_equals(ROLE, PLAN_ROLE)),
+                             newest_run(client, [experiment_id], "", lambda run: is_training_run(run.data.tags)))
              if run is not None]
-    return max(found, key=lambda run: run.info.start_time).data.tags.get("sweep_id", "") if found else None
+    return in_sweep(max(found, key=lambda run: run.info.start_time).data.tags) if found else None
 
 
 def search_lines(runs: Sequence[Run], sweep_id: str, now: float) -> list[str] | None:
     """An Optuna sweep's trials, read from the study storage its runs name (param optuna.storage): counts
     by state, the best value so far, the ETA, as the sweeping terminal shows them. None: no Optuna sweep."""
-    trial_runs = [r for r in runs if r.data.tags.get("optuna.study") and r.data.params.get("optuna.storage")]
+    trial_runs = [r for r in runs if r.data.tags.get(OPTUNA_STUDY) and r.data.params.get("optuna.storage")]
     if not trial_runs:
         return None
     run = trial_runs[0]
     storage = run.data.params["optuna.storage"]  # as recorded: a password masked, for the driver to find
     try:
-        tally = trials.sweep_tally(open_storage(reconnectable(storage)), run.data.tags["optuna.study"], sweep_id, now)
+        tally = trials.sweep_tally(open_storage(reconnectable(storage)), run.data.tags[OPTUNA_STUDY], sweep_id, now)
     except Exception as e:  # noqa: BLE001 - a storage gone or unreachable: the runs still tell what they can
         return [f"  (its Optuna storage {storage} was not read: {type(e).__name__}: {mask(str(e))})"]
     if tally is None:

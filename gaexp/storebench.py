@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, progress, server, storegen, tracking
+from gaexp.tags import PROTOCOL_KEY
 
 MEASURES = ["collect one sweep", "collect all", "gaexp-status", "gaexp-report (one sweep)", "resume check (60 cells)"]
 
@@ -47,8 +48,8 @@ def measure(uri: str, repeat: int, skip_all_above: int | None = None, runs: int 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("gaexp").experiment_id
     sweep = storegen.sweep_id(0)
-    keys = [r.data.tags["protocol_key"] for r in tracking.runs_in_sweep(client, [experiment], sweep)
-            if "protocol_key" in r.data.tags]
+    keys = [r.data.tags[PROTOCOL_KEY] for r in tracking.runs_in_sweep(client, [experiment], sweep)
+            if PROTOCOL_KEY in r.data.tags]
     with tempfile.TemporaryDirectory() as out:
         times = {
             MEASURES[0]: best_of(repeat, lambda: analysis.collect(client, "gaexp", sweep)),

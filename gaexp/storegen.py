@@ -27,6 +27,8 @@ from omegaconf import OmegaConf
 from gaexp import tracking
 from gaexp.config import compose_config
 from gaexp.hooks import EvalPoint
+from gaexp.metrics import ACTIVATION_MB, PEAK_RSS_MB
+from gaexp.tags import HEARTBEAT, HOST, PLAN_ROLE, PROTOCOL_KEY, ROLE, SWEEP_ID, cell_tags, plan_tags
 
 NORMS, REGIMES, SEEDS = ["bn", "in", "gn4", "gn16", "none"], ["bs1a1", "bs1a16", "bs4a4", "bs16a1"], [1, 2, 3]
 EVALS, STEPS = 12, 3000  # evaluations a generated run logs, at every STEPS / EVALS optimizer steps
@@ -51,28 +53,29 @@ def curve(index: int) -> list[EvalPoint]:
 def write_first_sweep(client: MlflowClient, experiment_id: str, started_ms: int) -> int:
     """The template sweep through the client: a plan run and the 60 cells as train_and_track logs them."""
     sid = sweep_id(0)
-    plan = client.create_run(experiment_id, run_name=f"sweep-{sid}", start_time=started_ms, tags={
-        "gaexp.role": tracking.PLAN_ROLE, "sweep_id": sid, "gaexp.cells": str(len(cells())), "gaexp.expected_s": "3600.000",
-        "gaexp.cells_at_once": "2", "gaexp.graphs": "0"}).info.run_id
+    plan = client.create_run(experiment_id, run_name=f"sweep-{sid}", start_time=started_ms, tags=plan_tags(
+        sweep_id=sid, cells=len(cells()), expected_s=3600.0, cells_at_once=2, graphs=0, costs=None,
+        order="longest_first")).info.run_id
     for index, (norm, regime, seed) in enumerate(cells()):
         resolved = OmegaConf.to_container(compose_config([f"norm={norm}", f"regime={regime}", f"seed={seed}",
                                                           f"train.num_iterations={STEPS}", "accumulate=loop"],
                                                          hydra=False), resolve=True)  # a loop sweep
         c = resolved["regime"]
-        key = tracking.protocol_key(resolved)
-        tags = {"dataset": resolved["data"]["dataset"], "model": resolved["model"]["name"], "norm": norm,
-                "regime": regime, "seed": seed, "batch_size": c["batch_size"], "num_accum": c["num_accum"],
-                "accumulate": resolved["accumulate"], "sweep_id": sid, tracking.SWEEPS: sid, "protocol_key": key,
-                "device": "cpu", "threads": 1, "compiled": "off", tracking.HOST: "storegen:1",
-                tracking.HEARTBEAT: f"{started_ms / 1000:.0f}"}
+        tags = cell_tags(dataset=resolved["data"]["dataset"], model=resolved["model"]["name"], norm=norm, regime=regime,
+                         seed=seed, batch_size=c["batch_size"], num_accum=c["num_accum"], replicas=c["replicas"],
+                         accumulate=resolved["accumulate"], precision=resolved["precision"]["name"],
+                         setting=resolved["accumulate"], sweep_id=sid, protocol_key=tracking.protocol_key(resolved),
+                         device="cpu", threads=1, compiled="off",
+                         **{HOST: "storegen:1", HEARTBEAT: f"{started_ms / 1000:.0f}"})
         start = started_ms + 1000 * (index + 1)
         run_id = client.create_run(experiment_id, run_name=f"{norm}-{regime}-s{seed}", start_time=start,
-                                   tags={k: str(v) for k, v in tags.items()}).info.run_id
+                                   tags=tags).info.run_id
         tracking.log_params(client, run_id, resolved)
         history = curve(index)
         for point in history:
             tracking.log_eval_point(client, run_id, point)
-        tracking.log_summary(client, run_id, history, 60.0, {"activation_mb": 1.0 + index, "peak_rss_mb": 900.0})
+        tracking.log_summary(client, run_id, history, 60.0, {ACTIVATION_MB.name: 1.0 + index,
+                                                                  PEAK_RSS_MB.name: 900.0})
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED), end_time=start + 60_000)
     client.set_terminated(plan, RunStatus.to_string(RunStatus.FINISHED), end_time=started_ms + 3_600_000)
     return len(cells())
@@ -84,7 +87,7 @@ def copy_sweeps(db: Path, experiment_id: str, first: int, count: int) -> None:
     con = sqlite3.connect(db)
     try:
         template = [r for r, in con.execute(
-            "SELECT DISTINCT run_uuid FROM tags WHERE key = 'sweep_id' AND value = ?", (sweep_id(0),))]
+            "SELECT DISTINCT run_uuid FROM tags WHERE key = ? AND value = ?", (SWEEP_ID, sweep_id(0)))]
         con.execute("CREATE TEMP TABLE copies (old TEXT, new TEXT, k INTEGER, sid TEXT)")
         con.executemany("INSERT INTO copies SELECT ?, lower(hex(randomblob(16))), ?, ?",
                         [(old, k, sweep_id(k)) for k in range(first, first + count) for old in template])
@@ -97,7 +100,7 @@ def copy_sweeps(db: Path, experiment_id: str, first: int, count: int) -> None:
             FROM runs r JOIN copies c ON r.run_uuid = c.old""")
         con.execute(f"""INSERT INTO tags (key, value, run_uuid) SELECT t.key,
             CASE WHEN t.value = '{sweep_id(0)}' THEN c.sid
-                 WHEN t.key = 'protocol_key' THEN substr(t.value, 1, 10) || printf('%06x', c.k)
+                 WHEN t.key = '{PROTOCOL_KEY}' THEN substr(t.value, 1, 10) || printf('%06x', c.k)
                  WHEN t.key = 'mlflow.runName' THEN replace(t.value, '{sweep_id(0)}', c.sid)
                  ELSE t.value END, c.new
             FROM tags t JOIN copies c ON t.run_uuid = c.old""")
@@ -117,9 +120,9 @@ def copy_sweeps(db: Path, experiment_id: str, first: int, count: int) -> None:
 def generated_sweeps(db: Path) -> int:
     con = sqlite3.connect(db)
     try:
-        return con.execute("SELECT count(*) FROM tags WHERE key = 'gaexp.role' AND value = ? "
-                           "AND run_uuid IN (SELECT run_uuid FROM tags WHERE key = 'sweep_id' AND value LIKE 'gen-%')",
-                           (tracking.PLAN_ROLE,)).fetchone()[0]
+        return con.execute("SELECT count(*) FROM tags WHERE key = ? AND value = ? "
+                           "AND run_uuid IN (SELECT run_uuid FROM tags WHERE key = ? AND value LIKE 'gen-%')",
+                           (ROLE, PLAN_ROLE, SWEEP_ID)).fetchone()[0]
     finally:
         con.close()
 

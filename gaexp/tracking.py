@@ -35,6 +35,8 @@ from gaexp import liveness, metrics
 from gaexp.config import HOLDOUT_SEED, protocol_part
 from gaexp.hooks import EvalPoint, Hook, Stopped
 from gaexp.redact import mask
+from gaexp.tags import (CURVES, ERROR, ERROR_TRACEBACK, EXPERIMENT_KIND, HEARTBEAT, HOST, KILLED_REASON, PROCESS_START,
+                        PROTOCOL_KEY, SLURM_JOB, STOPPED_REASON, STOPPED_STEP, SWEEP_ID, SWEEPS, filter_equals, in_sweep)
 
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
     import torch
@@ -43,17 +45,7 @@ log = logging.getLogger("gaexp.app")  # the application's log
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 MAX_TAG_LENGTH = 8000  # and on a tag value
-HOST, HEARTBEAT = "gaexp.host", "gaexp.heartbeat"
-CELL_START = "gaexp.cell_start"  # epoch seconds its cell began (run_cell): its checks, data and model before the run
-PROCESS_START = "gaexp.process_start"  # with the pid in HOST: the one process that ran the run (liveness.process_start)
-SLURM_JOB = "slurm_job_id"  # the SLURM job a run ran in (array tasks: JOB_TASK, what scancel and sacct take)
 PAGE_SIZE = 1_000  # runs per search page (search_all follows the pages to the end)
-CURVES = "gaexp.curves"  # tag: how many parts `gaexp.curves.<i>` hold the run's evaluations as JSON (curves_tags)
-PLAN_ROLE = "sweep"  # tag gaexp.role of the run that records a sweep's plan (gaexp.progress)
-SINGLE_RUN = "gaexp.single_run"  # "true": a run of `gaexp` without -m (the report's latest sweep passes it by)
-SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it
-# MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI overview (traces)
-EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def is_remote(tracking_uri: str) -> bool:
@@ -236,7 +228,7 @@ def runs_in_sweep(client: MlflowClient, experiment_ids: list[str], sweep_id: str
     store (tag sweep_id; tag SWEEPS for the runs it resumed over, which add_to_sweep appended it to),
     whatever else the store holds."""
     also = f" and {filter_string}" if filter_string else ""
-    ran = f"tags.sweep_id = '{sweep_id}'"  # equality: an index lookup (index_tags)
+    ran = filter_equals(SWEEP_ID, sweep_id)  # equality: an index lookup (index_tags)
     resumed = f"tags.`{SWEEPS}` LIKE '%,{sweep_id}%'"  # after a comma: only the runs it resumed over match
     found = {r.info.run_id: r for query in (ran, resumed) for r in search_all(client, experiment_ids, query + also)}
     return [r for r in found.values() if sweep_id in sweeps_of(r)]
@@ -244,7 +236,7 @@ def runs_in_sweep(client: MlflowClient, experiment_ids: list[str], sweep_id: str
 
 def find_finished(client: MlflowClient, experiment_id: str, key: str) -> Run | None:
     """A FINISHED run of the same protocol, if any (the oldest one)."""
-    runs = client.search_runs([experiment_id], f"tags.protocol_key = '{key}' and attributes.status = 'FINISHED'",
+    runs = client.search_runs([experiment_id], f"{filter_equals(PROTOCOL_KEY, key)} and attributes.status = 'FINISHED'",
                               order_by=["attributes.start_time ASC"], max_results=1)
     return runs[0] if runs else None
 
@@ -261,7 +253,7 @@ def live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s:
     one) with a heartbeat younger than `stale_after_s`: a cell that a killed sweep's worker may still train."""
     now = time.time() if now is None else now
     live = []
-    for run in client.search_runs([experiment_id], f"tags.protocol_key = '{key}' and attributes.status = 'RUNNING'"):
+    for run in client.search_runs([experiment_id], f"{filter_equals(PROTOCOL_KEY, key)} and attributes.status = 'RUNNING'"):
         tags = run.data.tags
         host, pid, beat = recorded_process(run)
         if (host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and now - beat <= stale_after_s
@@ -287,7 +279,7 @@ def wait_for_live_runs(client: MlflowClient, experiment_id: str, key: str, stale
 
 def sweeps_of(run: Run) -> list[str]:
     tags = run.data.tags
-    return tags[SWEEPS].split(",") if SWEEPS in tags else [tags.get("sweep_id", "")]
+    return tags[SWEEPS].split(",") if SWEEPS in tags else [in_sweep(tags)]
 
 
 def add_to_sweep(client: MlflowClient, run: Run, sweep_id: str) -> None:
@@ -320,7 +312,7 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
             reason = f"no heartbeat for {now - beat:.0f} s"
         else:
             continue
-        client.set_tag(run.info.run_id, "gaexp.killed_reason", reason)
+        client.set_tag(run.info.run_id, KILLED_REASON, reason)
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         marked.append(f"{run.info.run_name} ({reason})")
     return marked
@@ -344,13 +336,13 @@ def tracked_run(client: MlflowClient, experiment_id: str, run_name: str,
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
         raise
     except Stopped as e:  # on purpose (pruned): KILLED, with the step and why, never FAILED
-        client.set_tag(run_id, "gaexp.stopped_step", str(e.step))
-        client.set_tag(run_id, "gaexp.stopped_reason", e.reason)
+        client.set_tag(run_id, STOPPED_STEP, str(e.step))
+        client.set_tag(run_id, STOPPED_REASON, e.reason)
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
         raise
     except BaseException as e:
-        client.set_tag(run_id, "error", mask(f"{type(e).__name__}: {e}")[:5000])  # a driver's error may name its URL
-        client.set_tag(run_id, "error.traceback", mask(traceback.format_exc())[-5000:])
+        client.set_tag(run_id, ERROR, mask(f"{type(e).__name__}: {e}")[:5000])  # a driver's error may name its URL
+        client.set_tag(run_id, ERROR_TRACEBACK, mask(traceback.format_exc())[-5000:])
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
         raise
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))

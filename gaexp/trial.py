@@ -13,6 +13,7 @@ import numpy as np
 
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_trial, report
 
+from gaexp import tags
 from gaexp.config import AnalysisConfig, OptunaTrialConfig
 from gaexp.hooks import EvalPoint, Hook, Stopped
 
@@ -66,7 +67,4 @@ def describe_objective(design: AnalysisConfig) -> str:
 
 def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
     """The MLflow tags of a trial run (none for a run that is no trial)."""
-    if trial_config.study is None:
-        return {}
-    tags = {"optuna.study": trial_config.study, "optuna.trial": str(trial_config.trial)}
-    return tags | ({"optuna.repeat": str(trial_config.repeat)} if trial_config.repeats > 1 else {})
+    return tags.trial_tags(trial_config.study, trial_config.trial, trial_config.repeat, trial_config.repeats)

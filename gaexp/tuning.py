@@ -27,13 +27,14 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from gaexp import cli, tracking  # noqa: E402
+from gaexp.metrics import BEST_TRIAL, BEST_VALUE, TRIAL_VALUE  # noqa: E402
 from gaexp.redact import mask, reconnectable  # noqa: E402
+from gaexp.tags import (BEST, OBJECTIVE, OPTUNA_STATE, OPTUNA_STATES, OPTUNA_STORAGE, OPTUNA_STUDY, OPTUNA_TRIAL,  # noqa: E402
+                        PARENT_RUN, ROLE, STUDY_ROLE, TRIAL_ROLE, filter_equals)
 from gaexp.config import AnalysisConfig  # noqa: E402
 from gaexp.trial import describe_objective  # noqa: E402
 
 
-STUDY_ROLE = "study"  # tag gaexp.role of a study's parent run
-TRIAL_ROLE = "trial"  # tag gaexp.role of a trial's run when the trial has repeats (their runs its children)
 
 
 def report_studies(client: MlflowClient, experiment_id: str, results: Path, design: AnalysisConfig,
@@ -48,29 +49,29 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path, desi
     storage = storage or reconnectable(summary.storage)
     for name, outcome in summary.studies.items():
         study = optuna.load_study(study_name=name, storage=open_storage(storage))
-        found = client.search_runs([experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}' and tags.`optuna.study` = '{name}'")
+        found = client.search_runs([experiment_id], f"{filter_equals(ROLE, STUDY_ROLE)} and {filter_equals(OPTUNA_STUDY, name)}")
         parent = found[0].info.run_id if found else client.create_run(
             experiment_id, run_name=f"study-{name}",
-            tags={"gaexp.role": STUDY_ROLE, "optuna.study": name, "optuna.storage": mask(storage)}).info.run_id
+            tags={ROLE: STUDY_ROLE, OPTUNA_STUDY: name, OPTUNA_STORAGE: mask(storage)}).info.run_id
         trials = len(study.trials)
-        client.set_tag(parent, "optuna.states", ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
-        client.set_tag(parent, "objective", describe_objective(design))
+        client.set_tag(parent, OPTUNA_STATES, ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
+        client.set_tag(parent, OBJECTIVE, describe_objective(design))
         if outcome.best is not None:
-            metrics = {"best_value": float(outcome.best.value), "best_trial": float(outcome.best.trial)}
-            metrics |= {f"best.{k}": float(v) for k, v in outcome.best.params.items() if isinstance(v, (int, float))}
+            metrics = {BEST_VALUE.name: float(outcome.best.value), BEST_TRIAL.name: float(outcome.best.trial)}
+            metrics |= {f"{BEST}{k}": float(v) for k, v in outcome.best.params.items() if isinstance(v, (int, float))}
             client.log_batch(parent, metrics=[Metric(k, v, int(time.time() * 1000), trials) for k, v in metrics.items()])
-            client.log_batch(parent, tags=[RunTag(f"best.{k}", str(v)) for k, v in outcome.best.params.items()])
+            client.log_batch(parent, tags=[RunTag(f"{BEST}{k}", str(v)) for k, v in outcome.best.params.items()])
             with tempfile.TemporaryDirectory() as tmp:
                 for path in plots(study, Path(tmp)):
                     client.log_artifact(parent, str(path))
         states = {str(t.number): t.state.name for t in study.trials}
-        runs = tracking.search_all(client, [experiment_id], f"tags.`optuna.study` = '{name}'")
+        runs = tracking.search_all(client, [experiment_id], filter_equals(OPTUNA_STUDY, name))
         parents = trial_runs(client, experiment_id, name, study, runs, parent)
         for run in runs:
-            if run.data.tags.get("gaexp.role") in (STUDY_ROLE, TRIAL_ROLE):
+            if run.data.tags.get(ROLE) in (STUDY_ROLE, TRIAL_ROLE):
                 continue
-            number = run.data.tags.get("optuna.trial")
-            wanted = {"mlflow.parentRunId": parents.get(number, parent), "optuna.state": states.get(number, "")}
+            number = run.data.tags.get(OPTUNA_TRIAL)
+            wanted = {PARENT_RUN: parents.get(number, parent), OPTUNA_STATE: states.get(number, "")}
             changed = [RunTag(tag, value) for tag, value in wanted.items() if run.data.tags.get(tag) != value]
             if changed:
                 client.log_batch(run.info.run_id, tags=changed)
@@ -83,7 +84,7 @@ def trial_runs(client: MlflowClient, experiment_id: str, name: str, study: optun
     """A run per trial that has repeats (found again on later sweeps), under the study's run: its params,
     state, and value (the mean of its repeats, each a metric too); returns {trial number: its run id}, under
     which its repeats' runs go."""
-    found = {r.data.tags.get("optuna.trial"): r.info.run_id for r in runs if r.data.tags.get("gaexp.role") == TRIAL_ROLE}
+    found = {r.data.tags.get(OPTUNA_TRIAL): r.info.run_id for r in runs if r.data.tags.get(ROLE) == TRIAL_ROLE}
     made = {}
     for trial in study.trials:
         repeats = trial.user_attrs.get(REPEATS)
@@ -91,14 +92,13 @@ def trial_runs(client: MlflowClient, experiment_id: str, name: str, study: optun
             continue
         number = str(trial.number)
         run_id = found.get(number) or client.create_run(experiment_id, run_name=f"trial-{trial.number}", tags={
-            "gaexp.role": TRIAL_ROLE, "optuna.study": name, "optuna.trial": number,
-            "mlflow.parentRunId": parent}).info.run_id
+            ROLE: TRIAL_ROLE, OPTUNA_STUDY: name, OPTUNA_TRIAL: number, PARENT_RUN: parent}).info.run_id
         now = int(time.time() * 1000)
-        values = {f"value.{k}": v for k, v in repeats.items() if v is not None}
-        values |= {"value": trial.value} if trial.value is not None else {}
+        values = {f"{TRIAL_VALUE.name}.{k}": v for k, v in repeats.items() if v is not None}
+        values |= {TRIAL_VALUE.name: trial.value} if trial.value is not None else {}
         client.log_batch(run_id, metrics=[Metric(k.replace("=", "_"), float(v), now, 0) for k, v in values.items()],
                          params=[] if number in found else [Param(k, str(v)) for k, v in trial.params.items()],
-                         tags=[RunTag("optuna.state", trial.state.name)])
+                         tags=[RunTag(OPTUNA_STATE, trial.state.name)])
         client.set_terminated(run_id, "FINISHED")
         made[number] = run_id
     return made
@@ -143,16 +143,16 @@ def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, see
     found = client.get_experiment_by_name(experiment)
     if found is None:
         raise ValueError(f"no experiment {experiment!r} in {client.tracking_uri}")
-    parents = tracking.search_all(client, [found.experiment_id], f"tags.`gaexp.role` = '{STUDY_ROLE}'")
+    parents = tracking.search_all(client, [found.experiment_id], filter_equals(ROLE, STUDY_ROLE))
     commands = []
-    for parent in sorted(parents, key=lambda r: r.data.tags["optuna.study"]):
-        name = parent.data.tags["optuna.study"]
-        if not (name == study_prefix or name.startswith(f"{study_prefix}[")) or "best_trial" not in parent.data.metrics:
+    for parent in sorted(parents, key=lambda r: r.data.tags[OPTUNA_STUDY]):
+        name = parent.data.tags[OPTUNA_STUDY]
+        if not (name == study_prefix or name.startswith(f"{study_prefix}[")) or BEST_TRIAL.name not in parent.data.metrics:
             continue
-        number = int(parent.data.metrics["best_trial"])
-        runs = [r for r in tracking.search_all(client, [found.experiment_id], f"tags.`optuna.study` = '{name}' and "
-                                              f"tags.`optuna.trial` = '{number}' and attributes.status = 'FINISHED'")
-                if r.data.tags.get("gaexp.role") != TRIAL_ROLE]
+        number = int(parent.data.metrics[BEST_TRIAL.name])
+        runs = [r for r in tracking.search_all(client, [found.experiment_id], f"{filter_equals(OPTUNA_STUDY, name)} and "
+                                              f"{filter_equals(OPTUNA_TRIAL, number)} and attributes.status = 'FINISHED'")
+                if r.data.tags.get(ROLE) != TRIAL_ROLE]
         if not runs:
             raise ValueError(f"study {name}: no FINISHED run of its best trial {number} in experiment {experiment!r}")
         with tempfile.TemporaryDirectory() as tmp:
@@ -162,8 +162,8 @@ def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, see
                 raise ValueError(f"study {name}: best trial {number}'s run {runs[0].info.run_id} has no logged "
                                  f"overrides (hydra/overrides.yaml): {e}") from None
             overrides = list(OmegaConf.load(path))
-        outcome = {"trial": number, "value": parent.data.metrics["best_value"],
-                   **{k.removeprefix("best."): v for k, v in parent.data.tags.items() if k.startswith("best.")}}
+        outcome = {"trial": number, "value": parent.data.metrics[BEST_VALUE.name],
+                   **{k.removeprefix(BEST): v for k, v in parent.data.tags.items() if k.startswith(BEST)}}
         commands.append((name, outcome, rerun_overrides(overrides, seeds, extra)))
     if not commands:
         raise ValueError(f"no finished study {study_prefix}[...] in experiment {experiment!r} (run the search first)")

@@ -3,7 +3,7 @@
 MLflow 3's UI opens an experiment on its GenAI overview (traces) unless the
 experiment page's URL says `?workflowType=machine_learning`; the sidebar's
 links keep the parameter. `python -m gaexp.ui` tags every experiment of the
-store as model training (`tracking.EXPERIMENT_KIND`, stores made before the
+store as model training (`EXPERIMENT_KIND` of gaexp/tags.py, stores made before the
 tag included), prints one link per experiment that opens its runs table,
 then becomes `mlflow ui` on the same store, host and port; a tracking server's store (http://HOST:PORT)
 serves its own UI, so for one the links are printed at its address and nothing is started.

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 from scipy import stats
 
 from gaexp import analysis, tracking
+from gaexp import tags as runtags
 from gaexp.analysis import AnalysisError, collect, load_study, plot_curves, summarize
 from gaexp.config import AnalysisConfig
 from tests.conftest import add_run
@@ -500,10 +501,10 @@ def test_the_latest_sweep_passes_a_newer_single_run_by(store):
     and the single run's own sweep where no multirun ran."""
     client, experiment_id, _ = store
     single = add_run(client, experiment_id, "gn4", "bs4a4", 1, (0.9, 0.9, 0.9), sweep="run-c")
-    client.set_tag(single, tracking.SINGLE_RUN, "true")
+    client.set_tag(single, runtags.SINGLE_RUN, "true")
     assert collect(client, "gaexp", "latest").data.sweep_id.unique().tolist() == ["sweep-a"]
     only = client.create_experiment("singles")
-    client.set_tag(add_run(client, only, "gn4", "bs4a4", 1, (0.9,), sweep="run-d"), tracking.SINGLE_RUN, "true")
+    client.set_tag(add_run(client, only, "gn4", "bs4a4", 1, (0.9,), sweep="run-d"), runtags.SINGLE_RUN, "true")
     assert analysis.latest_sweep(client, [only]) == "run-d"
 
 

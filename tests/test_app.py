@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from gaexp import analysis, app, batches, callbacks, cell, data, progress
+from gaexp import tags as runtags
 from gaexp import train as train_module
 from gaexp.app import hydra_sweep_problem
 from gaexp.callbacks import prepare, report_command
@@ -326,7 +327,7 @@ def test_sweep_runs_the_longest_cells_first_and_records_its_plan(sweep):
     assert (plan.data.tags["gaexp.cells"], plan.data.tags["gaexp.order"]) == ("4", "longest_first")
     costs = [progress.expected_seconds(b, k, 4, 2) for b, k in [(1, 16), (1, 16), (16, 1), (16, 1)]]
     assert float(plan.data.tags["gaexp.expected_s"]) == pytest.approx(sum(costs), abs=0.5)  # compile=off: no graphs
-    assert plan.data.tags[progress.COSTS] == " ".join(f"{c:.1f}:0" for c in costs)  # each cell's, in launch order
+    assert plan.data.tags[runtags.COSTS] == " ".join(f"{c:.1f}:0" for c in costs)  # each cell's, in launch order
 
 
 @pytest.mark.slow
@@ -589,7 +590,7 @@ def cell_runs(uri: str) -> list[tuple[str, str, str]]:
     """(name, status, run id) of every training run in the store, oldest first."""
     client = MlflowClient(uri)
     runs = [r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
-            if analysis.is_training_run(r)]
+            if runtags.is_training_run(r.data.tags)]
     return [(r.info.run_name, r.info.status, r.info.run_id) for r in sorted(runs, key=lambda r: r.info.start_time)]
 
 

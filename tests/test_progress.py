@@ -14,6 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import progress, tracking
+from gaexp import tags as runtags
 from gaexp.config import CONFIG_DIR
 from gaexp.hooks import EvalPoint, Progress
 from gaexp.progress import Cell, Plan
@@ -226,7 +227,7 @@ def store(tmp_path):
     experiment_id = tracking.prepare_store(uri, "gaexp", str(tmp_path / "artifacts"))
     client = MlflowClient(uri)
     plan = tracking.tracked_run(client, experiment_id, f"sweep-{SWEEP}", {
-        "gaexp.role": progress.ROLE, "sweep_id": SWEEP, "gaexp.cells": 4,
+        "gaexp.role": runtags.PLAN_ROLE, "sweep_id": SWEEP, "gaexp.cells": 4,
         "gaexp.expected_s": f"{4 * progress.expected_seconds(1, 16, **PROTOCOL):.0f}", "gaexp.cells_at_once": 2})
     plan_id = plan.__enter__()  # a sweep still running
     cell_run(client, experiment_id, "bn-bs1a16-s1", "FINISHED", evals=((300, 0.9), (3600, 0.98)))
@@ -387,7 +388,7 @@ def test_live_bar_of_a_resume_that_skipped_every_cell_is_full(store, tmp_path, c
     resume = "2026-12-02_12-00-00"
     expected = progress.expected_seconds(1, 16, **PROTOCOL)
     plan_id = client.create_run(experiment_id, run_name=f"sweep-{resume}", tags={
-        "gaexp.role": progress.ROLE, "sweep_id": resume, "gaexp.cells": "1", "gaexp.graphs": "1",
+        "gaexp.role": runtags.PLAN_ROLE, "sweep_id": resume, "gaexp.cells": "1", "gaexp.graphs": "1",
         "gaexp.expected_s": f"{expected + progress.GRAPH_S:.3f}", "gaexp.cells_at_once": "1"}).info.run_id
     finished = client.search_runs([experiment_id], "attributes.run_name = 'bn-bs1a16-s1'")[0]
     tracking.add_to_sweep(client, finished, resume)
@@ -415,7 +416,7 @@ GRID, SEARCH = "2026-12-01_08-00-00", "2026-12-01_09-00-00"
 def add_grid(client: MlflowClient, experiment_id: str, ago: float) -> None:
     """A finished grid sweep `GRID`, started `ago` s before now: its plan run, then 2 cells."""
     plan_id = client.create_run(experiment_id, run_name=f"sweep-{GRID}", start_time=int((time.time() - ago) * 1000),
-                                tags={"gaexp.role": progress.ROLE, "sweep_id": GRID, "gaexp.cells": "2",
+                                tags={"gaexp.role": runtags.PLAN_ROLE, "sweep_id": GRID, "gaexp.cells": "2",
                                       "gaexp.expected_s": "400", "gaexp.cells_at_once": "1"}).info.run_id
     client.set_terminated(plan_id, "FINISHED")
     for seed, after in ((1, 10), (2, 200)):
@@ -480,7 +481,7 @@ def test_the_newest_sweep_is_the_one_that_started_last_whatever_its_kind(tmp_pat
     assert progress.sweeps_to_show(client, experiment_id, wanted) == [SEARCH]
     resume = "2026-12-01_10-00-00"  # a rerun of the grid that found every cell done: its plan run, no cell run
     plan = client.create_run(experiment_id, run_name=f"sweep-{resume}", start_time=int((time.time() - 1000) * 1000),
-                             tags={"gaexp.role": progress.ROLE, "sweep_id": resume, "gaexp.cells": "2",
+                             tags={"gaexp.role": runtags.PLAN_ROLE, "sweep_id": resume, "gaexp.cells": "2",
                                    "gaexp.expected_s": "400"})
     client.set_terminated(plan.info.run_id, "FINISHED")
     assert progress.sweeps_to_show(client, experiment_id, wanted) == [resume]

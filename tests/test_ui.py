@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from gaexp import tracking, ui
+from gaexp import tags as runtags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,10 +50,10 @@ def test_runs_link_is_the_experiment_page_on_the_runs_table():
 def test_every_experiment_with_runs_is_tagged_as_model_training(tmp_path, tagged):
     uri, experiment_id = make_store(tmp_path, tagged)
     client = MlflowClient(uri)
-    assert (client.get_experiment(experiment_id).tags.get(tracking.EXPERIMENT_KIND[0]) == tracking.EXPERIMENT_KIND[1]) is tagged
+    assert (client.get_experiment(experiment_id).tags.get(runtags.EXPERIMENT_KIND[0]) == runtags.EXPERIMENT_KIND[1]) is tagged
     assert ui.tag_experiments(uri) == [(experiment_id, "gaexp", 2)]  # MLflow's empty Default experiment left out
-    assert client.get_experiment(experiment_id).tags[tracking.EXPERIMENT_KIND[0]] == tracking.EXPERIMENT_KIND[1]
-    assert tracking.EXPERIMENT_KIND[0] not in client.get_experiment("0").tags
+    assert client.get_experiment(experiment_id).tags[runtags.EXPERIMENT_KIND[0]] == runtags.EXPERIMENT_KIND[1]
+    assert runtags.EXPERIMENT_KIND[0] not in client.get_experiment("0").tags
 
 
 def test_cli_prints_each_link_then_becomes_mlflow_ui(tmp_path, monkeypatch, capsys):
@@ -66,7 +67,7 @@ def test_cli_prints_each_link_then_becomes_mlflow_ui(tmp_path, monkeypatch, caps
     mlflow = str(Path(sys.executable).parent / "mlflow")
     assert execs == [(mlflow, [mlflow, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", "5123"],
                       f"error::ResourceWarning,{ui.QUIET_WARNINGS}")]  # the user's filters kept
-    assert MlflowClient(uri).get_experiment(experiment_id).tags[tracking.EXPERIMENT_KIND[0]] == tracking.EXPERIMENT_KIND[1]
+    assert MlflowClient(uri).get_experiment(experiment_id).tags[runtags.EXPERIMENT_KIND[0]] == runtags.EXPERIMENT_KIND[1]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -87,13 +87,14 @@ def mark_killed(config: DictConfig, job_id: str, reason: str) -> List[str]:
     from mlflow.tracking import MlflowClient
 
     from gaexp import tracking
+    from gaexp.tags import KILLED_REASON, SLURM_JOB, filter_equals
 
     client = MlflowClient(config.mlflow.tracking_uri)
     experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
     marked = tracking.mark_stale_runs(client, experiment_id, config.mlflow.stale_after_s)
     for run in tracking.search_all(client, [experiment_id],
-                                   f"attributes.status = 'RUNNING' and tags.`{tracking.SLURM_JOB}` = '{job_id}'"):
-        client.set_tag(run.info.run_id, "gaexp.killed_reason", reason)
+                                   f"attributes.status = 'RUNNING' and {filter_equals(SLURM_JOB, job_id)}"):
+        client.set_tag(run.info.run_id, KILLED_REASON, reason)
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         marked.append(f"{run.info.run_name} ({reason})")
     return marked

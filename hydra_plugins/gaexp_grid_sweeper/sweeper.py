@@ -181,14 +181,14 @@ class GridSweeper(BasicSweeper):
         from mlflow.tracking import MlflowClient
 
         from gaexp import progress, tracking
+        from gaexp.tags import plan_tags
 
         cfg = self.config
         client = MlflowClient(cfg.mlflow.tracking_uri)
         experiment_id = tracking.experiment_id(client, cfg.mlflow.experiment_name)
-        tags = {"gaexp.role": progress.ROLE, "sweep_id": sweep_dir.name, "gaexp.cells": plan.cells,
-                "gaexp.expected_s": f"{plan.expected_s:.3f}", "gaexp.cells_at_once": plan.cells_at_once or "",
-                "gaexp.graphs": plan.graphs, progress.COSTS: progress.costs_tag(plan.costs) or "",
-                "gaexp.order": self.order}
+        tags = plan_tags(sweep_id=sweep_dir.name, cells=plan.cells, expected_s=plan.expected_s,
+                         cells_at_once=plan.cells_at_once or None, graphs=plan.graphs,
+                         costs=progress.costs_tag(plan.costs), order=self.order)
         with tracking.tracked_run(client, experiment_id, f"sweep-{sweep_dir.name}", tags) as run_id:
             if self.show is False:
                 yield
