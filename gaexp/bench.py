@@ -40,12 +40,11 @@ from gaexp.data import DataError, data_config, datasets, torchvision_class
 from gaexp.datasets import fetch, open_dataset, splits
 from gaexp.model import load
 from gaexp.norms import NORMS, norm2d
+from gaexp.study import study
 from gaexp.train import compile_phases, evaluate, resolve_device, step_function
 
-STUDY_NORMS = ("bn", "in", "gn4", "gn16", "none")
+STUDY = study()  # the study file's grid at its full protocol
 OPTIONLESS_NORMS = tuple(name for name, norm in NORMS.items() if norm.options is NormConfig)  # built without options
-STUDY_REGIMES = {"bs1a1": (1, 1), "bs1a16": (1, 16), "bs4a4": (4, 4), "bs16a1": (16, 1)}
-SEEDS, ITERATIONS, EVALS, VALID_IMAGES = 3, 3600, 12, 10_000
 
 
 def sync(device: torch.device) -> None:
@@ -179,24 +178,24 @@ def interleaved(repeats: int, sides: dict[str, Measure]) -> dict[str, tuple[floa
 
 
 def cell_seconds(b: int, k: int, train_rate: float, eval_rate: float, overhead: float) -> float:
-    """One cell at the full protocol: its training, its 12 evaluations and its compile overhead."""
-    return ITERATIONS * b * k / train_rate + EVALS * VALID_IMAGES / eval_rate + overhead
+    """One cell at the full protocol: its training, its evaluations and its compile overhead."""
+    return STUDY.steps * b * k / train_rate + STUDY.evaluations * STUDY.valid_images / eval_rate + overhead
 
 
 def norm_grid_seconds(rates: dict[str, tuple[float, float]], jobs: int) -> float:
-    """Wall seconds of one norm's 12 cells (4 regimes x 3 seeds) at `jobs` cells at once, from its
+    """Wall seconds of one norm's cells (the study's regimes x seeds) at `jobs` cells at once, from its
     (rate, first-call overhead) per regime and for "eval"."""
     eval_rate, eval_overhead = rates["eval"]
-    return SEEDS * sum(cell_seconds(b, k, rates[r][0], eval_rate, rates[r][1] + eval_overhead)
-                       for r, (b, k) in STUDY_REGIMES.items()) / jobs
+    return len(STUDY.seeds) * sum(cell_seconds(b, k, rates[r][0], eval_rate, rates[r][1] + eval_overhead)
+                                  for r, (b, k) in STUDY.shapes.items()) / jobs
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     parser = argparse.ArgumentParser(prog="python -m gaexp.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="simple", choices=models(), help="conf/model/ (default: %(default)s)")
-    parser.add_argument("--norms", default=",".join(STUDY_NORMS), help="comma-separated (default: %(default)s)")
-    parser.add_argument("--regimes", default=",".join(STUDY_REGIMES),
+    parser.add_argument("--norms", default=",".join(STUDY.norms), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--regimes", default=",".join(STUDY.regimes),
                         help="comma-separated bs{b}a{k} names (default: the study's four)")
     parser.add_argument("--compile", default="auto", choices=COMPILE_CHOICES,
                         help="gaexp's side, as the `compile` key of a run (default: %(default)s); eager is compile=off")
@@ -222,7 +221,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         try:
             b, k = (int(v) for v in name.removeprefix("bs").split("a"))
         except ValueError:
-            parser.error(f"--regimes: bad regime {name!r}; valid: bs<b>a<k>, e.g. {', '.join(STUDY_REGIMES)}")
+            parser.error(f"--regimes: bad regime {name!r}; valid: bs<b>a<k>, e.g. {', '.join(STUDY.regimes)}")
         regimes[regime_name(b, k)] = (b, k)
     args.regimes, args.cores = regimes, cores
     return args
@@ -291,9 +290,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{norm:8} " + " ".join(f"{rates['none'][n]['gaexp'][0] / rates[norm][n]['gaexp'][0]:>6.2f}x"
                                           for n in [*args.regimes, "eval"]))
 
-    if set(STUDY_REGIMES) <= set(args.regimes):
-        print(f"\nEstimated grid ({len(args.norms)} norms x 4 regimes x {SEEDS} seeds, {ITERATIONS} steps, "
-              f"{EVALS} evaluations of {VALID_IMAGES:,} images; {args.jobs} cells at once x {args.threads} thread(s); "
+    if set(STUDY.regimes) <= set(args.regimes):
+        print(f"\nEstimated grid ({len(args.norms)} norms x {len(STUDY.regimes)} regimes x {len(STUDY.seeds)} seeds, "
+              f"{STUDY.steps} steps, {STUDY.evaluations} evaluations of {STUDY.valid_images:,} images; {args.jobs} cells at once x {args.threads} thread(s); "
               "process start and logging left out):")
         print(f"{'norm':8} {'eager h':>8} {'gaexp h':>8} {'batched h':>9} {'auto h':>7}")
         totals = {"eager": 0.0, "gaexp": 0.0, "batched": 0.0, "auto": 0.0}

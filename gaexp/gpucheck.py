@@ -54,7 +54,7 @@ class Plan:
                 f"data.holdout={self.holdout}", "compile=off", "data.sources=[local]"]
 
 
-FULL = Plan(bench.STUDY_NORMS, bench.STUDY_REGIMES, 2048, "bn,gn4", "bs1a16,bs4a4,bs16a1", "1,2,3", 300, (1, 4, 8))
+FULL = Plan(bench.STUDY.norms, bench.STUDY.shapes, 2048, "bn,gn4", "bs1a16,bs4a4,bs16a1", "1,2,3", 300, (1, 4, 8))
 TINY = Plan(("bn", "gn4"), {"bs4a4": (4, 4), "bs16a1": (16, 1)}, 64, "gn4", "bs4a4", "1,2", 4, (1, 2), holdout=256)
 
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from gaexp import cli, metrics
 from gaexp.config import FP32
 from gaexp.redact import mask, reconnectable
+from gaexp.study import TEST_IMAGES
 from gaexp.tags import (ACCUMULATE, BATCH_SIZE, CELLS, CELLS_AT_ONCE, COMPILED, COSTS, DATASET, DEVICE, EXPECTED_S, GRAPHS,
                         HEARTBEAT, HOST, MODEL, NORM, NUM_ACCUM, OPTUNA_STUDY, PLAN_ROLE, PRECISION, REPLICAS, ROLE, SWEEP_ID,
                         filter_equals, filter_present, in_sweep, is_training_run)
@@ -51,7 +52,6 @@ from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 # batched grid: 1375 samples/s at bs1a16 against 1583 at bs16a1, docs/results.md).
 MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S, DRAW_S = 2.6e-3, 0.7, 1.8e-3, 2.5e-4, 1.0e-4
 CELL_S, GAP_S, GRAPH_S, TRAIN_GRAPH = 1.0, 1.0, 9.0, 1.5
-VALID_IMAGES = 10_000  # the test set; data.holdout=N evaluates N held-out images instead
 # A precision's training and evaluation against float32's with the same engine, on a CPU with bf16 instructions
 # (docs/results.md, "The precision study", 2026-12-04): bf16 at float32's speed within the noise, bf16w-acc32 0.9x its
 # cost (the study's cells beside bf16's), bf16w's loop 1.2x (its loop cells beside bf16's batched ones, in this
@@ -65,7 +65,7 @@ DONE = ("FINISHED", "FAILED", "KILLED")
 
 
 def expected_seconds(batch_size: int, num_accum: int, num_iterations: int, eval_period: int,
-                     valid_images: int = VALID_IMAGES, model_cost: float = 1.0, accumulate: str = "loop",
+                     valid_images: int = TEST_IMAGES, model_cost: float = 1.0, accumulate: str = "loop",
                      precision_cost: float = 1.0) -> float:
     """A cell's expected seconds on one core of the reference machine, compilation of new graphs left out;
     `model_cost` (model.cost) scales the simple CNN's times to another model's, `precision_cost`
@@ -111,7 +111,7 @@ def cell_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     `replica_work` counts them)."""
     return expected_seconds(int(tags[BATCH_SIZE]), replica_work(int(tags[NUM_ACCUM]), int(tags.get(REPLICAS, 1))),
                             int(params["train.num_iterations"]),
-                            int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or VALID_IMAGES,
+                            int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or TEST_IMAGES,
                             float(params.get("model.cost", 1.0)), tags.get(ACCUMULATE, "loop"),
                             precision_cost(tags.get(PRECISION, FP32), tags.get(DEVICE, "cpu")))
 

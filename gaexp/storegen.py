@@ -28,10 +28,10 @@ from gaexp import tracking
 from gaexp.config import compose_config
 from gaexp.hooks import EvalPoint
 from gaexp.metrics import ACTIVATION_MB, PEAK_RSS_MB
+from gaexp.study import study
 from gaexp.tags import HEARTBEAT, HOST, PLAN_ROLE, PROTOCOL_KEY, ROLE, SWEEP_ID, cell_tags, plan_tags
 
-NORMS, REGIMES, SEEDS = ["bn", "in", "gn4", "gn16", "none"], ["bs1a1", "bs1a16", "bs4a4", "bs16a1"], [1, 2, 3]
-EVALS, STEPS = 12, 3000  # evaluations a generated run logs, at every STEPS / EVALS optimizer steps
+EVALS, STEPS = study().evaluations, 3000  # evaluations a generated run logs (the study's), every STEPS / EVALS steps
 SWEEP_S = 3600  # seconds between the starts of generated sweeps
 
 
@@ -40,7 +40,8 @@ def sweep_id(k: int) -> str:
 
 
 def cells() -> list[tuple[str, str, int]]:
-    return list(itertools.product(NORMS, REGIMES, SEEDS))
+    grid = study()
+    return list(itertools.product(grid.norms, grid.regimes, grid.seeds))
 
 
 def curve(index: int) -> list[EvalPoint]:

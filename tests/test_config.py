@@ -309,7 +309,7 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 # launcher, which Hydra loads and nothing imports, at the top, above the app they never import.
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
-              "machine", "redact", "cli", "config", "metrics", "tags", "configdocs", "targets", "data", "imagefolder", "batches", "precision",
+              "machine", "redact", "cli", "config", "metrics", "tags", "study", "configdocs", "targets", "data", "imagefolder", "batches", "precision",
               "datasets", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "replicas", "engine", "train", "check",
               "tracking", "cell", "storegen", "server", "progress", "breakdown", "eta_replay", "tuning", "analysis", "ui", "compare",
               "storebench", "bench", "drift", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),

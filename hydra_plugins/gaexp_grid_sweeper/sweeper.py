@@ -47,13 +47,14 @@ def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[st
     the engine its checks chose (`accumulate`: loop or batched, accumulate=auto resolved)."""
     from gaexp import progress  # gaexp (torch, MLflow) loads when a sweep runs, not at Hydra's plugin scan
     from gaexp.train import planned_phases
+    from gaexp.study import TEST_IMAGES
 
     graphs = progress.graph_keys(planned_phases(cfg.compile, cfg.norm.name), cfg.model.name, cfg.data.dataset,
                                  cfg.norm.name, cfg.regime.batch_size, accumulate)
     return progress.expected_seconds(cfg.regime.batch_size, progress.replica_work(cfg.regime.num_accum,
                                                                                   cfg.regime.replicas),
                                      cfg.train.num_iterations,
-                                     cfg.train.eval_period, cfg.data.holdout or progress.VALID_IMAGES,
+                                     cfg.train.eval_period, cfg.data.holdout or TEST_IMAGES,
                                      cfg.model.cost, accumulate,
                                      progress.precision_cost(cfg.precision.name, cfg.device_type)), graphs
 
