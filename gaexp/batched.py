@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gaexp.batches import Draw, Split
+from gaexp.data.batches import Draw, Split
 from gaexp.model import ZeroPadShortcut
 from gaexp.norms import COUPLES
 from gaexp.precision import Precision

@@ -34,10 +34,11 @@ from torch.utils.data import DataLoader, Subset
 from torchvision.transforms import ToTensor
 
 from gaexp import engine
-from gaexp.batches import Split, micro_batches
+from gaexp.data.batches import Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, NormConfig, regime_name
-from gaexp.data import DataError, data_config, datasets, torchvision_class
-from gaexp.datasets import fetch, open_dataset, splits
+from gaexp.data.catalog import DataError, data_config, names
+from gaexp.data.dataset import fetch, open_dataset, splits
+from gaexp.data.idx import torchvision_class
 from gaexp.model import load
 from gaexp.norms import NORMS, norm2d
 from gaexp.study import study
@@ -210,7 +211,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per side (medians are reported)")
     parser.add_argument("--naive", action="store_true", help="add the usual tutorial loop as a third side")
     parser.add_argument("--data-root", default="outputs/data", help="data root (default: %(default)s)")
-    parser.add_argument("--dataset", default="mnist", choices=datasets(), help="conf/data/ (default: %(default)s)")
+    parser.add_argument("--dataset", default="mnist", choices=names(), help="conf/data/ (default: %(default)s)")
     args = parser.parse_args(argv)
     args.norms, args.jobs = args.norms.split(","), args.jobs or max(1, cores // args.threads)
     for norm in args.norms:

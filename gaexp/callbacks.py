@@ -47,7 +47,8 @@ def prepare(cfg: DictConfig) -> str:
     check_cells(cfg, cells, typed_before_torch)  # types and ranges first: refused before torch and MLflow load
     from mlflow.tracking import MlflowClient
 
-    from gaexp import datasets, tracking, trial
+    from gaexp import tracking, trial
+    from gaexp.data.dataset import fetch, open_dataset, splits
     from gaexp.cell import check, check_split  # the model against the data, the memory: torch
 
     c = check_cells(cfg, cells, check)
@@ -60,8 +61,8 @@ def prepare(cfg: DictConfig) -> str:
         trial.check_objective(c.train.num_iterations, c.analysis)
         trial.check_direction(cfg.hydra.sweeper.direction)
     tracking.check_server(c.mlflow.tracking_uri)
-    datasets.fetch(c.data)  # files and their MD5s, a download: ready before any job
-    train, _ = datasets.splits(datasets.open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
+    fetch(c.data)  # files and their MD5s, a download: ready before any job
+    train, _ = splits(open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
     check_split(c, len(train), cfg.accumulate)  # the batch against the images it is drawn from, whatever the kind
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)

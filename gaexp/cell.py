@@ -24,11 +24,12 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from gaexp import datasets, engine, liveness, metrics, norms, precision, redact, replicas, tracking, trial
+from gaexp import engine, liveness, metrics, norms, precision, redact, replicas, tracking, trial
 from gaexp.batched import coupled_layers
-from gaexp.batches import Split
+from gaexp.data.batches import Split
 from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
-from gaexp.data import raw_dir
+from gaexp.data.dataset import Dataset, Meta, describe, open_dataset, splits
+from gaexp.data.idx import raw_dir
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopWhenSweepGone, SweepGone
 from gaexp.machine import usable_cores
 from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, reset_peak_rss, sample_bytes
@@ -133,7 +134,7 @@ def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     config declares it) and a run larger than this machine's memory. Returns the config with `accumulate` the
     engine the run uses (accumulate=auto resolved, gaexp/engine.py) and that choice."""
     c = typed(cfg)
-    shape, num_classes = datasets.describe(c.data)
+    shape, num_classes = describe(c.data)
     model = check_model(c, shape, num_classes)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
@@ -205,10 +206,10 @@ def skip_if_finished(client: MlflowClient, experiment_id: str, keys: list[str], 
     return done
 
 
-def build(c: Config, dataset: datasets.Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
+def build(c: Config, dataset: Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
     """The data on `device` (validation: the test set, or images held out of training), and the model for its
     shape and classes, initialized from the seed; both in the weights' dtype (precision.weights)."""
-    train_data, valid_data = datasets.splits(dataset, c.data.holdout, device)
+    train_data, valid_data = splits(dataset, c.data.holdout, device)
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
     model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
     dtype = precision.DTYPES[c.precision.weights]
@@ -235,7 +236,7 @@ def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, en
 
 def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, model: torch.nn.Module,
                     train_data: Split,
-                    valid_data: Split, meta: datasets.Meta, device: torch.device, memory: dict[str, float],
+                    valid_data: Split, meta: Meta, device: torch.device, memory: dict[str, float],
                     client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None,
                     in_sweep: bool = True, cell_start: float | None = None,
@@ -352,7 +353,7 @@ def replica_main(index: int, c: Config, port: int, threads: int) -> None:
         torch.cuda.set_device(device)
         if c.deterministic:
             deterministic_cuda()
-    model, train_data, _ = build(c, datasets.open_dataset(c.data, progress=False), device)
+    model, train_data, _ = build(c, open_dataset(c.data, progress=False), device)
     store = dist.TCPStore(replicas.HOST, port, w, False, timeout=datetime.timedelta(seconds=replicas.SETUP_TIMEOUT_S))
     store.set(replicas.READY.format(rank), "1")
     group = replicas.join(rank, w, store, device)
@@ -372,7 +373,7 @@ def follow(c: Config, choice: engine.Choice, group: replicas.Replicas) -> float:
     try:
         if group.device.type == "cuda":
             torch.cuda.set_device(group.device)
-        model, train_data, _ = build(c, datasets.open_dataset(c.data, progress=False), group.device)
+        model, train_data, _ = build(c, open_dataset(c.data, progress=False), group.device)
         c = dataclasses.replace(c, accumulate=engine.within_split(choice, c.regime.batch_size, c.regime.num_accum,
                                                                   len(train_data)).engine)  # rank 0's engine
         train(model, train_data, None, c.train, c.regime, c.seed, (), frozenset(), c.accumulate,
@@ -431,7 +432,7 @@ def lead(cfg: DictConfig, c: Config, choice: engine.Choice, device: torch.device
     """`run_cell` in the process that records the cell: one process, or rank 0 of a launcher's replicas."""
     client = MlflowClient(c.mlflow.tracking_uri)
     experiment_id = tracking.experiment_id(client, c.mlflow.experiment_name)
-    dataset = datasets.open_dataset(c.data, progress=False if in_sweep else c.progress)
+    dataset = open_dataset(c.data, progress=False if in_sweep else c.progress)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["data"]["digest"] = dataset.meta.digest  # what it is, not only where: a changed folder is another protocol
     done = skip_if_finished(client, experiment_id, engine.keys(resolved, choice, tracking.protocol_key), c, sweep_id)

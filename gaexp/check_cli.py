@@ -31,12 +31,12 @@ from torch.utils._pytree import tree_leaves
 
 from gaexp import targets
 from gaexp.cli import positive_ints
-from gaexp.batches import micro_batch_indices
+from gaexp.data.batches import micro_batch_indices
 from gaexp.check import LOSS_FORMS, CheckError, NonFiniteError, Report, check_accumulation, loss_contract
 from gaexp.config import (ACCUMULATE_IN, CONFIG_DIR, DEVICES, FP32, DataConfig, PrecisionConfig, composition_problem,
                           typed, unknown_choice)
-from gaexp.data import DataError, data_config, datasets
-from gaexp.datasets import describe, open_dataset
+from gaexp.data.catalog import DataError, data_config, names
+from gaexp.data.dataset import describe, open_dataset
 from gaexp.model import ARGUMENTS, check_model, make_model
 from gaexp.precision import device_problem, precision_config
 from gaexp.targets import TargetError
@@ -112,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
         "heads of a model that returns several); one that takes the whole step's targets as a third positional "
         "parameter or a keyword-only step_targets gets them and is not scaled by 1/k"))
     p.add_argument("--data", default="random", help=(
-        f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(datasets())}, its "
+        f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(names())}, its "
         "first b*k training images in the seed's order, as a cell's model sees them (default: %(default)s)"))
     p.add_argument("--data-root", default=None, help=(
         "where the gaexp datasets are (default: where the study's commands put them, the config's data.root: "
@@ -200,8 +200,8 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
     if args.num_classes is not None or args.arg:
         raise CheckError("--num-classes and --arg are for an import path; a gaexp model takes its classes from its "
                          "dataset and its options from the config")
-    if args.data != "random" and args.data not in datasets():
-        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
+    if args.data != "random" and args.data not in names():
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(names())}")
     problem = unknown_choice(overrides) or composition_problem(overrides)
     if problem:
         raise CheckError(problem)
@@ -231,10 +231,10 @@ def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
     """The --data dataset for an import path, its keys given as data.KEY=VALUE after the target."""
     if args.data == "random":
         if keys:
-            raise CheckError(f"{' '.join(keys)}: data keys are for --data NAME; valid: --data {', '.join(datasets())}")
+            raise CheckError(f"{' '.join(keys)}: data keys are for --data NAME; valid: --data {', '.join(names())}")
         return None
-    if args.data not in datasets():
-        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(datasets())}")
+    if args.data not in names():
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(names())}")
     given = {k.removeprefix("data."): v for k, v in (item.split("=", 1) for item in keys)}
     return data_config(args.data, args.data_root or "outputs/data", **{k: yaml.safe_load(v) for k, v in given.items()})
 

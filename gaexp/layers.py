@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from gaexp.batches import Split
+from gaexp.data.batches import Split
 from gaexp.hooks import Hook
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gaexp.batches import Draw
+from gaexp.data.batches import Draw
 from gaexp.config import PrecisionConfig
 from gaexp import machine
 from gaexp.machine import TORCHRUN

@@ -421,7 +421,7 @@ def data_digest(md5s: Iterable[str], selection: str) -> str:
 def dataset_input(name: str, context: str, directory: Path, files: Mapping[str, str], num_samples: int,
                   selection: str) -> DatasetInput:
     """One dataset of a run: `files` (file name -> MD5) in `directory`, of which `selection` took `num_samples`
-    images: `all`, or `kept:`/`held:holdout=N:seed=S` (the two parts of gaexp.batches.holdout_split)."""
+    images: `all`, or `kept:`/`held:holdout=N:seed=S` (the two parts of gaexp.data.batches.holdout_split)."""
     profile = {"num_samples": num_samples, "selection": selection, "files_md5": dict(sorted(files.items()))}
     dataset = Dataset(name=name, digest=data_digest(files.values(), selection), source_type="local",
                       source=json.dumps({"uri": Path(directory).resolve().as_uri()}), profile=json.dumps(profile))
@@ -433,7 +433,7 @@ def data_inputs(data_name: str, directory: Path, md5: Mapping[str, str], holdout
     """The run's training and validation datasets, named after the data (`data_name`, e.g. mnist) and its
     files (`md5`: IDX file name -> MD5, the train-* and t10k-* files). Without hold-out: `<data>-train` and
     `<data>-test`; with `holdout=N` both come from the training files: `<data>-train-minusN` (trained on)
-    and `<data>-holdoutN` (the N held-out images, gaexp.batches.holdout_split)."""
+    and `<data>-holdoutN` (the N held-out images, gaexp.data.batches.holdout_split)."""
     train_files = {f: m for f, m in md5.items() if f.startswith("train-")}
     test_files = {f: m for f, m in md5.items() if f.startswith("t10k-")}
     if not train_files or not test_files:
@@ -453,7 +453,7 @@ PREPROCESSING = ("size", "channels", "mean", "std", "augment")  # data keys that
 
 def content_inputs(meta: Mapping[str, Any], data: Mapping[str, Any], num_training: int,
                    num_validation: int) -> list[DatasetInput]:
-    """The run's training and validation datasets for data identified by content (`meta`: gaexp.datasets.Meta
+    """The run's training and validation datasets for data identified by content (`meta`: gaexp.data.dataset.Meta
     as a dict; `data`: the resolved data node): the digest, source, shape, classes and preprocessing, and
     which images of it each part is (`all`, or the two parts of a hold-out)."""
     preprocessing = {k: data.get(k) for k in PREPROCESSING}

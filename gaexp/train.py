@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gaexp.batched import Chunking, accumulate_batched
-from gaexp.batches import Draw, Split, micro_batches
+from gaexp.data.batches import Draw, Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.norms import compiled_training

@@ -23,10 +23,11 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, server, tracking
-from gaexp.batches import Split
+from gaexp.data.batches import Split
 from gaexp.config import CONFIG_DIR, parse_regime
-from gaexp.data import DataError, data_config, ensure_data
-from gaexp.datasets import Dataset, open_dataset
+from gaexp.data.catalog import DataError, data_config
+from gaexp.data.dataset import Dataset, open_dataset
+from gaexp.data.idx import ensure_data
 from gaexp.hooks import EvalPoint
 from gaexp.machine import usable_cores
 from tests.slurm_cluster import SlurmCluster

@@ -22,7 +22,8 @@ import optuna
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from gaexp import analysis, app, batches, callbacks, cell, data, progress
+from gaexp import analysis, app, callbacks, cell, progress
+from gaexp.data import batches, idx
 from gaexp import tags as runtags
 from gaexp import train as train_module
 from gaexp.app import hydra_sweep_problem
@@ -102,12 +103,12 @@ def fake_dataset_overrides(root: Path, dataset: str, torchvision: str, num_train
     rng = np.random.default_rng(0)
     shapes = [(num_train, 28, 28), (num_train,), (num_test, 28, 28), (num_test,)]
     overrides = [f"data={dataset}", f"data.root={root}", "data.sources=[local]", f"data.num_train={num_train}"]
-    for name, shape in zip(data.IDX_NAMES, shapes):
+    for name, shape in zip(idx.IDX_NAMES, shapes):
         array = rng.integers(0, 10 if len(shape) == 1 else 256, shape)
         if numbered and len(shape) == 3:
             ids = np.arange(shape[0]) if name.startswith("train") else 255 - np.arange(shape[0])
             array = np.broadcast_to(ids[:, None, None], shape)
-        content = data._idx_bytes(array.astype(np.uint8))
+        content = idx._idx_bytes(array.astype(np.uint8))
         (raw / name).write_bytes(content)
         overrides.append(f"data.files.{name}={hashlib.md5(content).hexdigest()}")
     return overrides

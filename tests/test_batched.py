@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gaexp.batched import Chunking, UnchunkableError, accumulate_batched, coupled_layers
-from gaexp.batches import micro_batches
+from gaexp.data.batches import micro_batches
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.layers import BatchRenorm2d
 from gaexp.config import CustomNormConfig

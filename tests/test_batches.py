@@ -1,4 +1,4 @@
-"""gaexp/batches.py: the model's input from uint8 images (ToTensor, Normalize), crop_flip as torchvision does it,
+"""gaexp/data/batches.py: the model's input from uint8 images (ToTensor, Normalize), crop_flip as torchvision does it,
 and the stream's augmentation paired across regimes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torchvision.transforms.functional as TF
 from torchvision.transforms import Normalize, ToTensor
 
-from gaexp.batches import PAD, Draw, Split, crop_flip, holdout_split, micro_batches
+from gaexp.data.batches import PAD, Draw, Split, crop_flip, holdout_split, micro_batches
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 

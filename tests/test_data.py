@@ -17,10 +17,11 @@ from omegaconf import OmegaConf
 from torchvision.datasets import MNIST, FashionMNIST
 from torchvision.transforms import ToTensor
 
-from gaexp import batches, data
-from gaexp.batches import micro_batch_indices, to_input
+from gaexp.data import batches, catalog, idx as idx_files
+from gaexp.data.batches import micro_batch_indices, to_input
 from gaexp.config import CONFIG_DIR
-from gaexp.data import DataError, data_config, ensure_data, raw_dir, verify_raw
+from gaexp.data.catalog import DataError, data_config
+from gaexp.data.idx import ensure_data, raw_dir, verify_raw
 
 MNIST_MD5 = data_config("mnist").files
 
@@ -38,12 +39,12 @@ def copy_raw(src_root: Path, dst_root: Path) -> Path:
 
 
 def test_every_idx_dataset_is_four_idx_files_with_sources_it_has():
-    assert data.datasets() == ["cifar10", "cifar100", "custom", "fashion_mnist", "imagefolder", "mnist", "svhn"]
-    idx = [name for name in data.datasets() if OmegaConf.load(Path(CONFIG_DIR, "data", f"{name}.yaml")).kind == "idx"]
+    assert catalog.names() == ["cifar10", "cifar100", "custom", "fashion_mnist", "imagefolder", "mnist", "svhn"]
+    idx = [name for name in catalog.names() if OmegaConf.load(Path(CONFIG_DIR, "data", f"{name}.yaml")).kind == "idx"]
     assert idx == ["fashion_mnist", "mnist"]
     for name in idx:
         d = data_config(name)
-        assert d.dataset == name and sorted(d.files) == sorted(data.IDX_NAMES) and d.num_train == 60_000
+        assert d.dataset == name and sorted(d.files) == sorted(idx_files.IDX_NAMES) and d.num_train == 60_000
         assert all(len(md5) == 32 for md5 in d.files.values())
         assert d.sources[:2] == ["local", "torchvision"]
     assert data_config("fashion_mnist").debian.package == "dataset-fashion-mnist"
@@ -105,7 +106,7 @@ def test_idx_rebuild_from_pickle_restores_exact_bytes(tmp_path):
     pickled = tuple((x.astype(np.float32) / 256, y.astype(np.int64)) for x, y in raw.values())
     with gzip.open(tmp_path / "m.pkl.gz", "wb") as f:
         pickle.dump(pickled, f, protocol=2)
-    data.idx_from_pickle(tmp_path / "m.pkl.gz", tmp_path)
+    idx_files.idx_from_pickle(tmp_path / "m.pkl.gz", tmp_path)
 
     images = (tmp_path / "train-images-idx3-ubyte").read_bytes()
     assert images[:16] == bytes([0, 0, 8, 3]) + (8).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2
@@ -186,7 +187,7 @@ def fake_idx(num_train: int = 64, num_test: int = 32, seed: int = 0) -> dict[str
     rng = np.random.default_rng(seed)
     arrays = [rng.integers(0, 256, (num_train, 28, 28)), rng.integers(0, 10, num_train),
               rng.integers(0, 256, (num_test, 28, 28)), rng.integers(0, 10, num_test)]
-    return {name: data._idx_bytes(a.astype(np.uint8)) for name, a in zip(data.IDX_NAMES, arrays)}
+    return {name: idx_files._idx_bytes(a.astype(np.uint8)) for name, a in zip(idx_files.IDX_NAMES, arrays)}
 
 
 def ar_archive(members: dict[str, bytes]) -> bytes:
@@ -224,7 +225,7 @@ def fake_fashion(tmp_path):
     tmp_path, the .deb placed where a previous download keeps it (so apt-get is not needed)."""
     files = fake_idx()
     spec = data_config("fashion_mnist", tmp_path, ["debian"])
-    spec = dataclasses.replace(spec, files={n: data.hashlib.md5(b).hexdigest() for n, b in files.items()},
+    spec = dataclasses.replace(spec, files={n: idx_files.hashlib.md5(b).hexdigest() for n, b in files.items()},
                                num_train=64)
     deb = build_deb(tmp_path / f"{spec.debian.package}_{spec.debian.version}_all.deb", spec.debian.folder, files)
     return spec, files, deb

@@ -1,4 +1,4 @@
-"""gaexp/datasets.py: the dataset interface. CIFAR-10 written in torchvision's own format and read by its class,
+"""gaexp/data/dataset.py: the dataset interface. CIFAR-10 written in torchvision's own format and read by its class,
 an image folder and a loader by import path each train a cell and are recorded; the shape, classes,
 digest and preprocessing reach the model, the protocol, MLflow and the report; bad data is one line."""
 
@@ -19,13 +19,16 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
-from gaexp import analysis, check_cli, datasets
+from gaexp import analysis, check_cli
+from gaexp.data import custom, limits
+from gaexp.data.batches import Split
+from gaexp.data.dataset import content_digest, describe, fetch, open_dataset, splits
 from gaexp.analysis import AnalysisError, collect, summarize
 from gaexp.callbacks import PrepareCallback, prepare
 from gaexp.cell import check, run_cell
-from gaexp.batches import micro_batches
+from gaexp.data.batches import micro_batches
 from gaexp.config import AnalysisConfig, RegimeConfig, TrainConfig, typed
-from gaexp.data import DataError, data_config
+from gaexp.data.catalog import DataError, data_config
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import layer
 from gaexp.train import train
@@ -76,13 +79,13 @@ def runs_by_name(uri: str) -> dict:
 
 def test_cifar10_is_read_by_torchvisions_class_in_its_shape_and_classes(fake_cifar10):
     root, train_x, train_y, test_x, test_y = fake_cifar10
-    d = datasets.open_dataset(data_config("cifar10", root))
+    d = open_dataset(data_config("cifar10", root))
     assert d.meta.shape == (3, 32, 32) and d.meta.num_classes == 10 and d.meta.classes == tuple(CIFAR_CLASSES)
     assert torch.equal(d.train.images, torch.from_numpy(train_x).permute(0, 3, 1, 2))
     assert d.train.labels.tolist() == train_y.tolist() and torch.equal(d.test.images.permute(0, 2, 3, 1),
                                                                        torch.from_numpy(test_x))
     assert d.train.augment == "crop_flip" and d.test.augment == "none" and d.train.mean == (0.4914, 0.4822, 0.4465)
-    assert d.meta.digest == datasets.content_digest(d.train.images, d.train.labels, d.test.images, d.test.labels)
+    assert d.meta.digest == content_digest(d.train.images, d.train.labels, d.test.images, d.test.labels)
     assert len(d.meta.digest) == 32 and d.meta.source == (root / "CIFAR10").as_uri()
 
 
@@ -98,7 +101,7 @@ def test_a_cifar10_cell_trains_and_its_run_records_the_dataset(fake_cifar10, tmp
     name = "cifar10-bn-bs4a4-s1" if model == "simple" else "cifar10-resnet20-bn-bs4a4-s1"
     (run,) = runs_by_name(cfg.mlflow.tracking_uri).values()
     assert run.info.run_name == name and run.data.tags["dataset"] == "cifar10"
-    digest = datasets.open_dataset(data_config("cifar10", root)).meta.digest
+    digest = open_dataset(data_config("cifar10", root)).meta.digest
     assert run.data.params["data.digest"] == digest and run.data.params["data.augment"] == "crop_flip"
     inputs = {d.dataset.name: (d.dataset, {t.key: t.value for t in d.tags}) for d in run.inputs.dataset_inputs}
     assert sorted(inputs) == ["cifar10-test", "cifar10-train"]
@@ -131,7 +134,7 @@ def test_without_files_offline_a_torchvision_dataset_stops_in_one_line_naming_fo
 
     monkeypatch.setattr(socket, "create_connection", offline)
     with pytest.raises(DataError) as info:
-        datasets.fetch(data_config("cifar10", tmp_path))
+        fetch(data_config("cifar10", tmp_path))
     message = str(info.value)
     assert "\n" not in message and message.startswith(
         f"data=cifar10: no CIFAR10 files in {tmp_path}/CIFAR10 (looked for cifar-10-batches-py/data_batch_1, ")
@@ -139,11 +142,11 @@ def test_without_files_offline_a_torchvision_dataset_stops_in_one_line_naming_fo
            "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, unreachable here (Network is unreachable)" in message
     with pytest.raises(DataError, match=r"no SVHN files in .*/SVHN \(looked for train_32x32.mat, test_32x32.mat\); "
                                         r"put them there, or add the download: data.sources=\[local,torchvision\]"):
-        datasets.fetch(data_config("svhn", tmp_path, ["local"]))
+        fetch(data_config("svhn", tmp_path, ["local"]))
     assert not (tmp_path / "CIFAR10").exists() or not any((tmp_path / "CIFAR10").iterdir())
     with pytest.raises(DataError, match=r"data.torchvision='STL10'; valid for data.kind=torchvision: CIFAR10, "
                                         r"CIFAR100, SVHN \(the MNIST family is data.kind=idx\)"):
-        datasets.fetch(data_config("cifar10", tmp_path, torchvision="STL10"))
+        fetch(data_config("cifar10", tmp_path, torchvision="STL10"))
 
 
 LOADERS = '''
@@ -202,26 +205,26 @@ def always_ten(norm_layer, in_channels, num_classes):
 def loaders(tmp_path, monkeypatch):
     (tmp_path / "my_loaders.py").write_text(LOADERS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    datasets._load_custom.cache_clear()
+    custom._load_custom.cache_clear()
     yield "my_loaders"
-    datasets._load_custom.cache_clear()
+    custom._load_custom.cache_clear()
     sys.modules.pop("my_loaders", None)
 
 
 def test_a_custom_loader_gives_tensors_or_a_dataset_and_bad_ones_are_one_line(loaders, tmp_path):
-    d = datasets.open_dataset(data_config("custom", tmp_path, target=f"{loaders}:tensors"))
+    d = open_dataset(data_config("custom", tmp_path, target=f"{loaders}:tensors"))
     assert d.meta.shape == (3, 12, 12) and d.meta.num_classes == 4 and len(d.train) == 48 and len(d.test) == 16
     assert d.meta.source == f"python:{loaders}:tensors"
-    pairs = datasets.open_dataset(data_config("custom", tmp_path, target=f"{loaders}:dataset", holdout=8))
+    pairs = open_dataset(data_config("custom", tmp_path, target=f"{loaders}:dataset", holdout=8))
     assert pairs.test is None and pairs.meta.classes == ("a", "b", "c", "d") and pairs.meta.num_classes == 4
     assert torch.equal(pairs.train.images, sys.modules[loaders].Pairs(40, 12).x)  # k/255 floats back to uint8, exact
-    assert datasets.describe(data_config("custom", tmp_path, target=f"{loaders}:tensors", params={"size": 20})) \
+    assert describe(data_config("custom", tmp_path, target=f"{loaders}:tensors", params={"size": 20})) \
         == ((3, 20, 20), 4)
 
     def refused(target, match, **keys):
         with pytest.raises((DataError, ValueError), match=match) as info:
             data = data_config("custom", tmp_path, target=f"{loaders}:{target}", **keys)
-            datasets.splits(datasets.open_dataset(data), data.holdout)
+            splits(open_dataset(data), data.holdout)
         assert "\n" not in str(info.value)
 
     refused("wrong_shape", r"its train split: images of shape \(4, 5, 8, 8\) and dtype torch.uint8; valid: uint8 "
@@ -239,7 +242,7 @@ def test_a_custom_loader_gives_tensors_or_a_dataset_and_bad_ones_are_one_line(lo
     refused("tensors", r"data.digest='abc'; the data of data=custom has digest '[0-9a-f]{32}' \(the data changed",
             digest="abc")
     with pytest.raises(DataError, match=r"its 64 images of 3x12x12 take 0 MB in memory, over the limit"):
-        datasets.check_memory("custom", 64, (3, 12, 12), 1000)
+        limits.check_memory("custom", 64, (3, 12, 12), 1000)
 
 
 def test_data_without_a_test_split_or_a_holdout_is_refused_before_anything_is_recorded(loaders, tmp_path, compose):
@@ -319,7 +322,7 @@ def test_a_batch_independent_norm_stays_the_true_batch_with_augmentation_on(tmp_
     three Adam steps in float64, the same weights to rounding (augmentation is drawn per sample, not per
     micro-batch)."""
     images = torch.randint(0, 256, (40, 3, 16, 16), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
-    data = datasets.Split(images, torch.arange(40) % 10, (0.5, 0.4, 0.3), (0.25, 0.25, 0.25), "crop_flip")
+    data = Split(images, torch.arange(40) % 10, (0.5, 0.4, 0.3), (0.25, 0.25, 0.25), "crop_flip")
     weights = {}
     for b, k in ((16, 1), (4, 4), (1, 16)):
         torch.manual_seed(1)
@@ -331,7 +334,7 @@ def test_a_batch_independent_norm_stays_the_true_batch_with_augmentation_on(tmp_
     assert moved < 1e-12 and (weights[16] - weights[1]).norm() / weights[16].norm() < 1e-12
     torch.manual_seed(1)
     plain = Float64(ResNet20(layer("gn4"), in_channels=3))
-    train(plain, datasets.Split(images, data.labels, data.mean, data.std), data.take(slice(0, 8)),
+    train(plain, Split(images, data.labels, data.mean, data.std), data.take(slice(0, 8)),
           TrainConfig(num_iterations=3, eval_period=3), RegimeConfig(16, 1), seed=5)
     assert (torch.cat([p.detach().flatten() for p in plain.parameters()]) - weights[16]).norm() > 1e-6  # it augments
 

@@ -24,14 +24,16 @@ from pathlib import Path
 
 import pytest
 from hydra.core.hydra_config import HydraConfig
+from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, bench, check_cli, compare, datasets, drift, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
+from gaexp import analysis, bench, check_cli, compare, drift, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
+from gaexp.data import __main__ as data_command
 from gaexp.config import job_config, composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
 
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-tuned": tuning.main,
-           "gaexp.data": datasets.main, "gaexp.bench": bench.main, "gaexp.zoo": zoo.main, "gaexp.compare": compare.main,
+           "gaexp.data": data_command.main, "gaexp.bench": bench.main, "gaexp.zoo": zoo.main, "gaexp.compare": compare.main,
            "gaexp.ui": ui.main, "gaexp.eta_replay": eta_replay.main, "gaexp.storegen": storegen.main,
            "gaexp.storebench": storebench.main, "gaexp.server": server.main, "gaexp.gpucheck": gpucheck.main,
            "gaexp.drift": drift.main}
@@ -402,7 +404,7 @@ def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, dat
         return proc.stdout + proc.stderr
 
     data = documented("docs/data.md", "gaexp.data --root outputs/data")
-    datasets.main(list(data.argv[1:]))
+    data_command.main(list(data.argv[1:]))
     assert capsys.readouterr().out.startswith("mnist: 60,000 training + 10,000 test images of 1x28x28, 10 classes")
 
     check = documented("docs/check.md", "gaexp-check model=simple norm=gn4 --data mnist")
@@ -436,3 +438,22 @@ def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, dat
         assert re.search(rf"^{experiment}: \d+ runs  http://127\.0\.0\.1:5000/#/experiments/\d+\?workflowType=machine_learning$",
                          links, re.M), links
     assert execs and execs[0][1:3] == ["ui", "--backend-store-uri"]
+
+
+def test_the_example_that_reloads_a_model_runs_on_a_trained_cell(tmp_path, gaexp_command, data_root):
+    """docs/tracking.md's Python example, run as written from a folder whose outputs/ holds a trained cell: the
+    model reloads and scores its run's final accuracy, then again with each image's own statistics."""
+    text = (REPO / "docs" / "tracking.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "load_model" in block)
+    out = tmp_path / "outputs"
+    out.mkdir()
+    (out / "data").symlink_to(data_root)
+    done = gaexp_command(out, "norm=bn", "regime=bs1a16", "seed=1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    ran = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    lines = dict(line.split(": ") for line in ran.stdout.splitlines())
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    run, = [r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id]) if "norm" in r.data.tags]
+    assert float(lines["running averages"]) == run.data.metrics["final_valid_acc"]
+    assert 0.0 <= float(lines["micro-batch statistics"]) <= 1.0

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gaexp import check, drift
-from gaexp.batches import Split, micro_batch_indices
+from gaexp.data.batches import Split, micro_batch_indices
 from gaexp.memory import reset_peak_rss
 from gaexp.precision import precision_config
 

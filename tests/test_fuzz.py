@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from gaexp import app, datasets, liveness
+from gaexp import app, liveness
+from gaexp.data import custom
 from gaexp.callbacks import PrepareCallback
 from tests.conftest import TINY
 
@@ -153,7 +154,7 @@ def test_a_batch_larger_than_data_whose_size_only_its_reading_tells_is_refused(t
             PrepareCallback().on_multirun_start(compose(*TINY, "data=custom", "data.target=twelve_images:tensors",
                                                         "regime=bs16a1", outputs=tmp_path / "out", hydra=True))
     finally:
-        datasets._load_custom.cache_clear()
+        custom._load_custom.cache_clear()
         sys.modules.pop("twelve_images", None)
     assert one_error_line(str(info.value)) == ("error: regime.batch_size=16; valid: an integer in [1, 12]: a "
                                                "micro-batch is at most the 12 training images of data=custom")

@@ -1,4 +1,4 @@
-"""gaexp/imagefolder.py: a folder of images in ImageFolder's layout, decoded, resized, converted, cached by the
+"""gaexp/data/folder.py: a folder of images in ImageFolder's layout, decoded, resized, converted, cached by the
 folder's content digest; bad folders refused in one line."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from gaexp import imagefolder
-from gaexp.data import DataError
+from gaexp.data import folder as imagefolder
+from gaexp.data.catalog import DataError
 
 CLASSES = ("cat", "dog", "emu")
 

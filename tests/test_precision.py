@@ -14,7 +14,7 @@ from torch import nn
 
 from gaexp import precision as precision_module
 from gaexp.batched import Chunking, accumulate_batched
-from gaexp.batches import micro_batches
+from gaexp.data.batches import micro_batches
 from gaexp.config import PrecisionConfig, precision_name
 from gaexp.model import SimpleModel
 from gaexp.norms import layer

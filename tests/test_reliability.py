@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 from gaexp import tracking
 from gaexp.callbacks import prepare
 from gaexp.cell import threads_for
-from gaexp.data import data_config, raw_dir
+from gaexp.data.catalog import data_config
+from gaexp.data.idx import raw_dir
 
 MD5 = data_config("mnist").files
 from tests.conftest import TINY, kill_when

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gaexp import norms, replicas
-from gaexp.batches import Split, micro_batches
+from gaexp.data.batches import Split, micro_batches
 from gaexp.model import SimpleModel
 from gaexp.train import accumulate, step_function
 
@@ -126,7 +126,7 @@ def test_each_replica_takes_its_run_of_k_micro_batches_of_each_step():
     stream = [torch.tensor([i]) for i in range(100)]
 
     def draws(rank: int) -> list[int]:
-        from gaexp.batches import Draw
+        from gaexp.data.batches import Draw
         source = (Draw(t) for t in stream)
         return [d.index.item() for d in itertools.islice(replicas.replica_draws(source, rank, 2, 3), 6)]
     assert draws(0) == [0, 1, 2, 6, 7, 8]  # step 1's micro-batches 0-2, step 2's 6-8

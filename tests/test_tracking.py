@@ -17,7 +17,8 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import liveness, tracking
 from gaexp.config import RegimeConfig, TrainConfig
-from gaexp.data import data_config, raw_dir
+from gaexp.data.catalog import data_config
+from gaexp.data.idx import raw_dir
 
 MD5 = data_config("mnist").files
 from gaexp.hooks import EvalPoint

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from gaexp.batches import Split, micro_batch_indices, micro_batches
+from gaexp.data.batches import Split, micro_batch_indices, micro_batches
 from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.hooks import DivergedError, DivergenceCheck, EvalPoint, Hook, Progress
 from gaexp.model import ResNet20, SimpleModel

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gaexp.data import DataError, check_memory
+from gaexp.config import DataConfig
+from gaexp.data.catalog import Arrays, DataError
+from gaexp.data.limits import check_memory, memory_limit
 
 TRAIN = "train"
 VALIDATION = ("val", "valid", "validation", "test")  # the evaluation folder's names, the first found
@@ -180,3 +182,15 @@ def load(path: Path, channels: Optional[int], size: Optional[Sequence[int]], cac
     finally:
         Path(tmp).unlink(missing_ok=True)
     return Folder(parts["train"], parts.get("test"), tuple(train), digest)
+
+
+def cache_dir(data: DataConfig) -> Path:
+    return Path(data.root).expanduser().resolve() / "cache"
+
+
+def read(data: DataConfig, progress: Optional[bool] = None) -> Arrays:
+    folder = load(Path(data.path), data.channels, data.size, cache_dir(data), progress,
+                              memory_limit(data.max_memory_mb), data.dataset)
+    test = folder.test if folder.test is not None else (None, None)
+    return Arrays(*folder.train, *test, folder.classes, Path(data.path).expanduser().resolve().as_uri(),
+                  folder.digest)

@@ -1,6 +1,6 @@
 """The data in memory: a split as uint8 tensors with how its images become the model's input, the fixed
 hold-out, and the stream of micro-batches (one generator per seed, whatever the regime; its augmentation
-from a second one). Where the splits come from: gaexp/datasets.py."""
+from a second one). Where the splits come from: gaexp/data/dataset.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The data files: find or build a dataset's verified raw files (held as tensors and drawn as micro-batches
-by gaexp/batches.py).
+"""The MNIST family's data (`data.kind=idx`): find or build a dataset's four verified IDX files, and read them
+with torchvision's class.
 
 A dataset is a `data` config (conf/data/<name>.yaml, schema `DataConfig`): its torchvision class, its
 four IDX files with their MD5s, and the sources tried in order (`data.sources`): files already under
@@ -15,10 +15,8 @@ import gzip
 import hashlib
 import io
 import logging
-import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -29,38 +27,14 @@ from typing import Mapping, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
-from omegaconf import OmegaConf
 
-from gaexp.config import CONFIG_DIR, DataConfig, DebianSource, PypiSource
+from gaexp.config import DataConfig, DebianSource, PypiSource
+from gaexp.data.catalog import Arrays, DataError
+from gaexp.data.torchvision_sets import unreachable
 
 log = logging.getLogger(__name__)
 
 IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-class DataError(RuntimeError):
-    """A dataset could not be found, built or verified."""
-
-
-def datasets() -> list[str]:
-    """The datasets gaexp knows: the files of conf/data/."""
-    return sorted(p.stem for p in (Path(CONFIG_DIR) / "data").glob("*.yaml"))
-
-
-def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[str] | None = None,
-                **keys: object) -> DataConfig:
-    """The `data` config of conf/data/<dataset>.yaml, outside Hydra (the CLI, the benchmark, the tests);
-    `root`, `sources` and any other keys given (not None: path=..., size=[32, 32]) replace the file's."""
-    if dataset not in datasets():
-        raise DataError(f"dataset {dataset!r}; valid: {', '.join(datasets())}")
-    group_file = OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{dataset}.yaml")
-    node = OmegaConf.merge(OmegaConf.structured(DataConfig), group_file,
-                           {"root": str(root if root is not None else "outputs/data")})
-    if sources is not None:
-        node.sources = list(sources)
-    node = OmegaConf.merge(node, {k: v for k, v in keys.items() if v is not None})
-    node.root = str(Path(node.root).expanduser().resolve())
-    return OmegaConf.to_object(node)
 
 
 def raw_dir(data: DataConfig) -> Path:
@@ -181,11 +155,9 @@ def torchvision_class(data: DataConfig) -> type:
 
 def _from_torchvision(staging: Path, data: DataConfig) -> None:
     cls = torchvision_class(data)
-    url = urlparse(cls.mirrors[0])
-    try:  # torchvision's urlopen has no timeout: fail fast when offline
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=5).close()
-    except OSError as e:
-        raise DataError(f"{url.hostname} unreachable ({e})") from None
+    problem = unreachable(cls.mirrors[0])
+    if problem is not None:
+        raise DataError(f"{urlparse(cls.mirrors[0]).hostname} unreachable ({problem})")
     cls(str(staging), train=True, download=True)
     cls(str(staging), train=False, download=True)
     for name in data.files:
@@ -267,23 +239,6 @@ def ensure_data(data: DataConfig) -> Path:
     )
 
 
-def memory_limit(max_memory_mb: int | None) -> int:
-    """Bytes a dataset's decoded images may take: `max_memory_mb` (data.max_memory_mb), or half of this
-    machine's memory."""
-    if max_memory_mb is not None:
-        return max_memory_mb * 2**20
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-
-
-def check_memory(name: str, count: int, shape: Sequence[int], limit: int) -> None:
-    """Refuse, before any run, a dataset whose uint8 images would not fit: gaexp holds a dataset in memory."""
-    need = count * int(np.prod(shape))
-    if need > limit:
-        raise DataError(f"data={name}: its {count:,} images of {'x'.join(map(str, shape))} take {need / 2**20:,.0f} "
-                        f"MB in memory, over the limit of {limit / 2**20:,.0f} MB (data.max_memory_mb; null: half of "
-                        "this machine's); gaexp holds a dataset in memory: use fewer images or a smaller data.size")
-
-
 def check_num_train(data: DataConfig) -> None:
     """`data.num_train` against the training images file's own count (its IDX header), so a wrong value stops
     the command before anything is recorded instead of holding out or drawing from the wrong range."""
@@ -295,7 +250,13 @@ def check_num_train(data: DataConfig) -> None:
                          f"data={data.dataset})")
 
 
-if __name__ == "__main__":  # the command lives with the datasets of every kind
-    from gaexp.datasets import main
-
-    main()
+def read(data: DataConfig) -> Arrays:
+    cls = torchvision_class(data)
+    root = str(Path(data.root).expanduser().resolve())
+    try:
+        train, test = cls(root, train=True, download=False), cls(root, train=False, download=False)
+    except RuntimeError:  # torchvision's "Dataset not found. You can use download=True": gaexp fetches instead
+        raise DataError(f"data={data.dataset}: not found under {data.root}; fetch it with "
+                        f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`") from None
+    return Arrays(train.data.unsqueeze(1), train.targets, test.data.unsqueeze(1), test.targets,
+                  tuple(cls.classes), raw_dir(data).as_uri())
