@@ -68,12 +68,12 @@ docs: setup   ## regenerate the config key tables in docs/configuration.md from 
 
 ui:           ## browse every run: prints each experiment's link to its runs table, then starts the MLflow UI
               ## (STORE=sqlite:///ABSOLUTE/PATH.db: another store; STORE=http://HOST:PORT: a server's own UI)
-	$(PYTHON) -m gaexp.ui --store $(STORE) --host 127.0.0.1 --port $(PORT)
+	$(PYTHON) -m gaexp.tools.ui --store $(STORE) --host 127.0.0.1 --port $(PORT)
 
 server:       ## a tracking server for a team: HOST=0.0.0.0 to be reached by other machines, then locked:
               ## users and passwords, the admin's from MLFLOW_AUTH_ADMIN_PASSWORD (docs/cluster.md); its files are
               ## owner-only; AUTH=yes locks it on the loopback too (a shared login node)
-	$(PYTHON) -m gaexp.server --root $(CURDIR)/outputs/server --host $(HOST) --port $(PORT) --auth $(AUTH) \
+	$(PYTHON) -m gaexp.tools.server --root $(CURDIR)/outputs/server --host $(HOST) --port $(PORT) --auth $(AUTH) \
 	    $(if $(ALLOWED_HOSTS),--allowed-hosts $(ALLOWED_HOSTS))
 
 clean:        ## everything generated (runs, store, data); keeps .venv

@@ -22,7 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, server, tracking
+from gaexp import analysis, tracking
+from gaexp.tools import server
 from gaexp.data.batches import Split
 from gaexp.config import CONFIG_DIR, parse_regime
 from gaexp.data.catalog import DataError, data_config
@@ -230,7 +231,7 @@ def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: floa
                          "kill it in was reached")
 
 
-serving = server.running  # the one way tests (and gaexp.storebench) run a server process
+serving = server.running  # the one way tests (and gaexp.tools.storebench) run a server process
 
 
 @pytest.fixture(scope="session")
@@ -242,7 +243,7 @@ def serve():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, free_port):
     """A real MLflow tracking server serving its artifacts, (uri, root folder), without MLflow's job runners
-    (as gaexp.server starts it); stopped (its whole process group) however the tests end."""
+    (as gaexp.tools.server starts it); stopped (its whole process group) however the tests end."""
     root = tmp_path_factory.mktemp("server")
     uri = f"http://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],

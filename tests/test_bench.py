@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from gaexp import bench
+from gaexp.tools import bench
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.train import step_function
 

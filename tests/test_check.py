@@ -24,7 +24,7 @@ from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError,
 from gaexp.check_cli import BAD_INPUT, SAFE, UNSAFE, _finite, main, run
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import norm2d
-from gaexp.zoo import truth
+from gaexp.tools.zoo import truth
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ from gaexp import analysis, cli, progress, tracking
 from tests.conftest import add_run
 
 BIN = Path(sys.executable).parent
-# Every console script that reads a store through cli.require_store, as a user types it (`make ui` is gaexp.ui).
+# Every console script that reads a store through cli.require_store, as a user types it (`make ui` is gaexp.tools.ui).
 COMMANDS = {
     "gaexp-status": [str(BIN / "gaexp-status")],
     "gaexp-report": [str(BIN / "gaexp-report"), "--no-plots"],
     "gaexp-tuned": [str(BIN / "gaexp-tuned")],
-    "eta_replay": [sys.executable, "-m", "gaexp.eta_replay"],
+    "eta_replay": [sys.executable, "-m", "gaexp.tools.eta_replay"],
 }
 MALFORMED, NOT_A_DATABASE = "database disk image is malformed", "file is not a database"
 PAGE = 4096  # MLflow's SQLite stores' page size (checked in the fixture)

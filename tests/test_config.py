@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -307,14 +309,21 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 # Every module of gaexp and of its Hydra plugins, bottom first: each imports (at its top or inside a function) only
 # modules before it. The plugins' shared names and the trial side gaexp calls sit at the bottom; their sweepers and
 # launcher, which Hydra loads and nothing imports, at the top, above the app they never import.
+TOOLS = ("bench", "drift", "zoo", "gpucheck", "eta_replay", "storegen", "storebench", "ui", "server")  # their first
+# `python -m gaexp.NAME`: each runs gaexp/tools/NAME.py by name and imports nothing
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
-              "machine", "redact", "cli", "config", "metrics", "tags", "study", "configdocs", "targets", "data.catalog", "data.limits", "data.batches", "data.torchvision_sets",
-              "data.idx", "data.folder", "data.custom", "data.dataset", "data.__main__", "precision", "hooks", "liveness", "trial", "layers", "norms", "model", "memory", "batched", "replicas", "engine", "train", "check",
-              "tracking", "cell", "storegen", "server", "progress", "breakdown", "eta_replay", "tuning", "analysis", "ui", "compare",
-              "storebench", "bench", "drift", "check_cli", "zoo", "gpucheck", "callbacks", "app", "__main__"]),
+              "machine", "redact", "cli", "config", "metrics", "tags", "study", "configdocs", "targets",
+              "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
+              "data.custom", "data.dataset", "data.__main__", "precision", "hooks", "liveness", "trial", "layers",
+              "norms", "model", "memory", "batched", "replicas", "engine", "train", "check", "tracking", "cell",
+              "tools.storegen", "tools.server", "progress", "breakdown", "tools.eta_replay", "tuning", "analysis",
+              "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check_cli", "tools.zoo",
+              "tools.gpucheck", "callbacks", "app", "__main__", *(f"{tool}" for tool in TOOLS)]),
           f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
           "hydra_plugins.gaexp_regimes.source"]
+WINGS = {"gaexp.data": ("gaexp.config", "gaexp.targets"),  # a wing's modules import these of gaexp and their own wing
+         "gaexp.tools": None}  # None: anything below; but nothing outside the wing imports it
 THE_APP = ("gaexp.app", "gaexp.callbacks", "gaexp.__main__")  # what no plugin imports
 
 
@@ -358,6 +367,23 @@ def test_imports_point_down_and_no_plugin_imports_the_app():
         assert not above, f"{module} imports {above}, which sit above it"
         if module.startswith("hydra_plugins."):
             assert not imported & set(THE_APP), f"{module} imports the app: {sorted(imported & set(THE_APP))}"
+        for wing, allowed in WINGS.items():
+            if module.startswith(wing + "."):
+                outside = sorted(m for m in imported if not m.startswith(wing + ".") and allowed is not None
+                                 and m.startswith("gaexp.") and m not in allowed)
+                assert not outside, f"{module}, of the wing {wing}, imports {outside} of the app"
+            else:
+                inside = sorted(m for m in imported if m.startswith(wing + "."))
+                assert allowed is not None or not inside, f"{module} imports the tools {inside}"
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_tools_first_name_runs_it(tool):
+    """`python -m gaexp.NAME` runs gaexp/tools/NAME.py with its arguments, as `python -m gaexp.tools.NAME` does."""
+    tree = ast.parse((REPO / "gaexp" / f"{tool}.py").read_text())
+    assert imported_modules(tree, LAYERS) == set(), "a first name imports nothing of gaexp: the tool runs by its name"
+    done = subprocess.run([sys.executable, "-m", f"gaexp.{tool}", "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: python -m gaexp.tools.{tool} "), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("files, cpus", [

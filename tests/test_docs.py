@@ -26,17 +26,18 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, bench, check_cli, compare, drift, eta_replay, progress, tuning, ui, zoo, gpucheck, server, storebench, storegen
+from gaexp import analysis, check_cli, compare, progress, tuning
+from gaexp.tools import bench, drift, eta_replay, gpucheck, server, storebench, storegen, ui, zoo
 from gaexp.data import __main__ as data_command
 from gaexp.config import job_config, composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
 
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-tuned": tuning.main,
-           "gaexp.data": data_command.main, "gaexp.bench": bench.main, "gaexp.zoo": zoo.main, "gaexp.compare": compare.main,
-           "gaexp.ui": ui.main, "gaexp.eta_replay": eta_replay.main, "gaexp.storegen": storegen.main,
-           "gaexp.storebench": storebench.main, "gaexp.server": server.main, "gaexp.gpucheck": gpucheck.main,
-           "gaexp.drift": drift.main}
+           "gaexp.data": data_command.main, "gaexp.tools.bench": bench.main, "gaexp.tools.zoo": zoo.main, "gaexp.compare": compare.main,
+           "gaexp.tools.ui": ui.main, "gaexp.tools.eta_replay": eta_replay.main, "gaexp.tools.storegen": storegen.main,
+           "gaexp.tools.storebench": storebench.main, "gaexp.tools.server": server.main, "gaexp.tools.gpucheck": gpucheck.main,
+           "gaexp.tools.drift": drift.main}
 NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet|nodes)\b")  # (needs: internet, once: ...) too
 
 
@@ -91,7 +92,7 @@ PLACEHOLDER = re.compile(r"(^|=)[A-Z][A-Z0-9_]*$|<|\\.\\.\\.")  # NAME, +experim
 
 def _runnable_inline(command: Command) -> bool:
     """Inline code in prose is a command when it has arguments and no placeholder; `gaexp-report --window-start`
-    names a flag, `python -m gaexp.bench --model NAME` a form: those are mentions."""
+    names a flag, `python -m gaexp.tools.bench --model NAME` a form: those are mentions."""
     args = command.argv[1:]
     return bool(args) and not args[-1].startswith("--") and not any(PLACEHOLDER.search(a) for a in args)
 
@@ -431,7 +432,7 @@ def test_a_newcomers_walk_runs_a_documented_command_of_each_family(tmp_path, dat
     execs = []
     monkeypatch.setattr(ui.os, "execve", lambda path, argv, env: execs.append(argv))
     make_ui = documented("docs/tracking.md", "make ui")
-    assert make_ui.argv == ("make", "ui")  # the Makefile's ui target: python -m gaexp.ui --store $(STORE) ...
+    assert make_ui.argv == ("make", "ui")  # the Makefile's ui target: python -m gaexp.tools.ui --store $(STORE) ...
     ui.main([])
     links = capsys.readouterr().out
     for experiment in ("gaexp-tune_lr", "gaexp-tune_lr-test"):  # the search's, the reruns'

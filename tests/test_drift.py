@@ -1,4 +1,4 @@
-"""python -m gaexp.drift: the accumulated gradient's error against float64 per precision and k, gaexp-check's own
+"""python -m gaexp.tools.drift: the accumulated gradient's error against float64 per precision and k, gaexp-check's own
 measurement, with each precision's training speed and memory measured in a fresh process."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from gaexp import check, drift
+from gaexp import check
+from gaexp.tools import drift
 from gaexp.data.batches import Split, micro_batch_indices
 from gaexp.memory import reset_peak_rss
 from gaexp.precision import precision_config
@@ -45,10 +46,10 @@ def table(measured) -> str:
 
 def test_the_table_says_its_inputs_and_the_command_that_makes_it_again(table):
     head, command = table.splitlines()[:2]
-    assert head.startswith("gaexp.drift: model=simple norm=gn4, micro-batch b=1, k=1,4; random MNIST-shaped images")
+    assert head.startswith("gaexp.tools.drift: model=simple norm=gn4, micro-batch b=1, k=1,4; random MNIST-shaped images")
     assert "; cpu (" in head and f"; torch {torch.__version__}; {datetime.date.today().isoformat()}" in head
     words = shlex.split(command.removeprefix("command: "))
-    assert words[:3] == ["python", "-m", "gaexp.drift"]
+    assert words[:3] == ["python", "-m", "gaexp.tools.drift"]
     again = drift.parser().parse_args(words[3:])
     assert (again.model, again.norm, again.batch_size, again.ks, again.precisions, again.steps, again.time_k) == (
         "simple", "gn4", 1, (1, 4), ("fp32", "bf16w", "bf16w-acc32"), 1, 2)
@@ -128,7 +129,7 @@ def test_missing_mnist_is_one_line_naming_the_command_that_fetches_it(tmp_path, 
     with pytest.raises(SystemExit) as done:
         drift.main(["--data", "mnist", "--data-root", str(tmp_path), "--ks", "1", "--steps", "0"])
     assert done.value.code == 2 and capsys.readouterr().err == (
-        f"python -m gaexp.drift: error: data=mnist: not found under {tmp_path}; fetch it with `python -m gaexp.data "
+        f"python -m gaexp.tools.drift: error: data=mnist: not found under {tmp_path}; fetch it with `python -m gaexp.data "
         f"--dataset mnist --root {tmp_path}`\n")
 
 

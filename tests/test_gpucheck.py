@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_every_step_on_the_cpu_and_prints_one_summary(tmp_path, data_root):
-    done = subprocess.run([sys.executable, "-m", "gaexp.gpucheck", "--device", "cpu", "--tiny", "--data-root",
+    done = subprocess.run([sys.executable, "-m", "gaexp.tools.gpucheck", "--device", "cpu", "--tiny", "--data-root",
                            str(data_root), "--work", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     lines = done.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""A team's server (gaexp.server): locked with MLflow's basic-auth app; a sweep into it with credentials,
+"""A team's server (gaexp.tools.server): locked with MLflow's basic-auth app; a sweep into it with credentials,
 recorded whole and with no password in anything it recorded; its files owner-only, the names it answers to,
 a changed admin password; and the tests' own server without MLflow's job runners."""
 
@@ -15,7 +15,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from gaexp import server
+from gaexp.tools import server
 
 PASSWORD = "admin-pass-4-tests"  # the admin's: in the environment only
 STORAGE_SECRET = "s3cr3t-PW"  # in a storage URL the config carries
@@ -54,9 +54,9 @@ def locked(tmp_path_factory, free_port, serve, gaexp_command):
     root = tmp_path_factory.mktemp("locked")
     uri = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "MLFLOW_AUTH_ADMIN_PASSWORD": PASSWORD}
-    argv = [sys.executable, "-m", "gaexp.server", "--host", "127.0.0.1", "--auth", "yes", "--workers", "1",
+    argv = [sys.executable, "-m", "gaexp.tools.server", "--host", "127.0.0.1", "--auth", "yes", "--workers", "1",
             "--port", uri.rsplit(":", 1)[1], "--root", str(root / "server")]
-    with serve(argv, uri, root / "server.log", "gaexp.server", env=env):
+    with serve(argv, uri, root / "server.log", "gaexp.tools.server", env=env):
         out = root / "out"
         out.mkdir()
         creds = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -148,11 +148,11 @@ def restarted(tmp_path_factory, free_port, serve):
         path.chmod(mode)
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "gaexp.server", "--auth", "yes", "--workers", "1", "--port", str(port),
+    argv = [sys.executable, "-m", "gaexp.tools.server", "--auth", "yes", "--workers", "1", "--port", str(port),
             "--root", str(root), "--allowed-hosts", f"{NAME}:{port}"]
     hosts = [f"127.0.0.1:{port}", f"localhost:{port}", f"10.1.2.3:{port}", f"{NAME}:{port}", f"evil.example:{port}"]
     first = {**os.environ, "MLFLOW_AUTH_ADMIN_PASSWORD": OLD_PASSWORD}
-    with serve(argv, uri, base / "first.log", "gaexp.server", env=first):
+    with serve(argv, uri, base / "first.log", "gaexp.tools.server", env=first):
         answers = {host: answer(uri, host, OLD_PASSWORD) for host in hosts}
         with mock.patch.dict(os.environ, {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": OLD_PASSWORD}):
             client = MlflowClient(uri)
@@ -161,7 +161,7 @@ def restarted(tmp_path_factory, free_port, serve):
             client.log_artifact(run_id, str(base / "note.txt"))
     written = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
     readable = not_owner_only(root)  # before the second start would tighten it
-    with serve(argv, uri, base / "second.log", "gaexp.server", env={**first, "MLFLOW_AUTH_ADMIN_PASSWORD": NEW_PASSWORD}):
+    with serve(argv, uri, base / "second.log", "gaexp.tools.server", env={**first, "MLFLOW_AUTH_ADMIN_PASSWORD": NEW_PASSWORD}):
         answers["new password"] = answer(uri, password=NEW_PASSWORD)
         answers["old password"] = answer(uri, password=OLD_PASSWORD)
     yield {"root": root, "run_id": run_id, "answers": answers, "written": written, "readable": readable,

@@ -1,4 +1,4 @@
-"""Reads at a team's scale: a generated store (gaexp.storegen) read across many pages, whole.
+"""Reads at a team's scale: a generated store (gaexp.tools.storegen) read across many pages, whole.
 
 MLflow returns a search a page at a time; with the page size made small here, a store of 300 runs
 crosses dozens of pages, and the report, gaexp-status, the resume check and compare must still see
@@ -7,7 +7,8 @@ every run (a single-page read would see 7)."""
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, compare, progress, storegen, tracking
+from gaexp import analysis, compare, progress, tracking
+from gaexp.tools import storegen
 
 SWEEPS = 5
 

@@ -1,6 +1,6 @@
 """The study's grid is read from its study file: what the tools cost and generate is what `make sweep` runs."""
 
-from gaexp import bench, storegen
+from gaexp.tools import bench, storegen
 from gaexp.config import compose_config
 from gaexp.study import study
 

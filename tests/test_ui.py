@@ -1,4 +1,4 @@
-"""`make ui` (gaexp.ui): the experiments tagged as model training, the printed links, and, in a real headless
+"""`make ui` (gaexp.tools.ui): the experiments tagged as model training, the printed links, and, in a real headless
 Chromium against a real `mlflow ui`, that the link opens the runs table."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gaexp import tracking, ui
+from gaexp import tracking
+from gaexp.tools import ui
 from gaexp import tags as runtags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,7 +113,7 @@ def test_the_uis_server_processes_print_no_starlette_deprecation(tmp_path):
 def test_make_ui_takes_the_store_to_show():
     dry = subprocess.run(["make", "-n", "ui", "STORE=sqlite:////srv/team/mlflow.db", "PORT=5001"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
-    assert dry.returncode == 0 and "-m gaexp.ui --store sqlite:////srv/team/mlflow.db --host 127.0.0.1 --port 5001" \
+    assert dry.returncode == 0 and "-m gaexp.tools.ui --store sqlite:////srv/team/mlflow.db --host 127.0.0.1 --port 5001" \
         in dry.stdout
 
 
@@ -127,7 +128,7 @@ def test_a_missing_store_says_to_run_a_sweep_first(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ui_server(tmp_path_factory, free_port, serve):
-    """`python -m gaexp.ui` on a small store made before the tag: (the link it printed, its process's output file).
+    """`python -m gaexp.tools.ui` on a small store made before the tag: (the link it printed, its process's output file).
     The UI runs until the module's tests end (its whole process group is stopped)."""
     if CHROMIUM is None:
         pytest.skip("no chromium on PATH (Debian: apt-get install chromium)")
@@ -135,7 +136,7 @@ def ui_server(tmp_path_factory, free_port, serve):
     uri, _ = make_store(root, tagged=False)
     port = free_port()
     log_path = root / "ui.log"
-    with serve([sys.executable, "-m", "gaexp.ui", "--store", uri, "--port", str(port)], f"http://127.0.0.1:{port}",
+    with serve([sys.executable, "-m", "gaexp.tools.ui", "--store", uri, "--port", str(port)], f"http://127.0.0.1:{port}",
                log_path, "mlflow ui"):
         link = re.search(r"^gaexp: 2 runs  (\S+)$", log_path.read_text(), re.M)
         assert link, log_path.read_text()[-2000:]

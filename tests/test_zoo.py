@@ -1,5 +1,5 @@
-"""gaexp/zoo.py: the zoo's truth, its judging, and one model through the real command (the whole zoo is a
-benchmark: python -m gaexp.zoo)."""
+"""gaexp/tools/zoo.py: the zoo's truth, its judging, and one model through the real command (the whole zoo is a
+benchmark: python -m gaexp.tools.zoo)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torchvision.models
 
 from conftest import REPO
-from gaexp.zoo import SIZES, check_one, judge, smallest_input, table, truth
+from gaexp.tools.zoo import SIZES, check_one, judge, smallest_input, table, truth
 
 
 def test_the_truth_is_the_batchnorms_in_training_mode():
@@ -58,11 +58,11 @@ def test_a_stock_model_through_the_real_command_at_three_seeds():
 @pytest.mark.slow
 def test_the_benchmark_command_writes_its_table(tmp_path):
     out = tmp_path / "zoo.md"
-    done = subprocess.run([sys.executable, "-m", "gaexp.zoo", "--models", "squeezenet1_1", "--seeds", "0", "1",
+    done = subprocess.run([sys.executable, "-m", "gaexp.tools.zoo", "--models", "squeezenet1_1", "--seeds", "0", "1",
                            "--output", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "| squeezenet1_1 | 3x32x32 | 1.2M | 0 | safe | yes | 1 Dropout | 0 |" in out.read_text()
     assert out.read_text().rstrip().endswith("1 models: 1 right") and (tmp_path / "zoo.md.jsonl").exists()
-    bad = subprocess.run([sys.executable, "-m", "gaexp.zoo", "--models", "resnet9"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "gaexp.tools.zoo", "--models", "resnet9"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "--models resnet9: not torchvision classification models; valid: alexnet" in bad.stderr
