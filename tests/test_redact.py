@@ -11,10 +11,11 @@ from urllib.parse import quote
 import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
+from omegaconf.errors import GrammarParseError
 
 from gaexp.redact import MaskingFilter, mask, mask_logs, masked_exception, reconnectable
 from hydra_plugins.gaexp_optuna_sweeper._impl import quoted
@@ -74,27 +75,35 @@ URL_FORMS = {  # a secret in each form gaexp carries: study storages, tracking U
 
 def in_contexts(url: str) -> dict[str, str]:
     """`url` where gaexp writes one: as it is, in a log line, in YAML (config.yaml, Hydra's files), as a quoted
-    Hydra override (overrides.yaml, a job's command line) and in Hydra's override_dirname (':' escaped)."""
-    return {"plain": url, "line": f"error: storage {url} unreachable: timed out",
-            "yaml": OmegaConf.to_yaml({"optuna": {"storage": url, "study": "t"}}),
-            "override": f"hydra.sweeper.storage={quoted(url)}",
-            "dirname": "hydra.sweeper.storage=" + url.replace(":", "\\:").replace(",", "\\,") + ",seed=1"}
+    Hydra override (overrides.yaml, a job's command line) and in Hydra's override_dirname (':' escaped). No YAML
+    for a URL OmegaConf reads as a broken interpolation (`${` unescaped): no config can hold it, so gaexp never
+    writes it there."""
+    contexts = {"plain": url, "line": f"error: storage {url} unreachable: timed out",
+                "override": f"hydra.sweeper.storage={quoted(url)}",
+                "dirname": "hydra.sweeper.storage=" + url.replace(":", "\\:").replace(",", "\\,") + ",seed=1"}
+    try:
+        contexts["yaml"] = OmegaConf.to_yaml({"optuna": {"storage": url, "study": "t"}})
+    except GrammarParseError:
+        pass
+    return contexts
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(password=st.text(PRINTABLE, min_size=1, max_size=24), form=st.sampled_from(sorted(URL_FORMS)))
+@example(password="${", form="http")  # found by hypothesis in a run of 2026-12-05: no YAML can hold it unescaped
 def test_a_password_of_any_characters_is_masked_in_every_url_form_and_context(password, form):
     template, masked_url = URL_FORMS[form]
     url = template.format(password)
     assert mask(url) == masked_url
     contexts = in_contexts(url)
     assert mask(contexts["line"]) == in_contexts(masked_url)["line"]
-    assert yaml.safe_load(mask(contexts["yaml"]))["optuna"]["storage"] == masked_url  # still the same YAML
+    if "yaml" in contexts:
+        assert yaml.safe_load(mask(contexts["yaml"]))["optuna"]["storage"] == masked_url  # still the same YAML
     override = OverridesParser.create().parse_override(mask(contexts["override"]))
     assert override.value() == masked_url  # still the same override
     assert mask(contexts["dirname"]).endswith(",seed=1") and "***@" in mask(contexts["dirname"])
     for context, text in contexts.items():
-        assume(len(password) >= 4 and password not in in_contexts(masked_url)[context])
+        assume(len(password) >= 4 and password not in in_contexts(masked_url).get(context, ""))
         assert password not in mask(text), context
 
 
