@@ -63,7 +63,7 @@ test: setup-test data   ## every test: what CI runs, on TEST_JOBS pytest-xdist w
 test-fast: setup-test data   ## the edit loop: everything but the slow tests (subprocess sweeps, servers, Ray)
 	$(PYTHON) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile
 
-docs: setup   ## regenerate the config key tables in docs/configuration.md from the schema (gaexp/config.py)
+docs: setup   ## regenerate the config key tables in docs/configuration.md from the schema (gaexp/config/schema.py)
 	$(PYTHON) -c "from gaexp.configdocs import write_docs_table; write_docs_table('docs/configuration.md')"
 
 ui:           ## browse every run: prints each experiment's link to its runs table, then starts the MLflow UI

@@ -33,7 +33,7 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from gaexp import cli, metrics
+from gaexp import arguments, metrics
 from gaexp.redact import mask
 from gaexp.tags import (BATCH_SIZE, CELL_START, COMPILED, DATASET, HOST, MODEL, NORM, NUM_ACCUM, PLAN_ROLE, PROCESS_START,
                         REPLICAS, ROLE, SWEEP_ID, filter_equals, in_sweep, is_training_run)
@@ -341,11 +341,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gaexp.breakdown", description=(
         "Where a grid sweep's wall time went, read from the tracking store: the worker-seconds of process "
         "start, setup, logging, training, evaluation, compilation, the time between cells and the tail."))
-    cli.add_store_arguments(parser, sweep="latest", sweep_help="'latest' (the newest grid sweep) or a sweep id")
+    arguments.add_store_arguments(parser, sweep="latest", sweep_help="'latest' (the newest grid sweep) or a sweep id")
     args = parser.parse_args(argv)
-    cli.require_store(args.tracking_uri)
+    arguments.require_store(args.tracking_uri)
     try:
-        with cli.store_errors(args.tracking_uri):
+        with arguments.store_errors(args.tracking_uri):
             text = report(MlflowClient(args.tracking_uri), args.experiment, args.sweep)
     except (BreakdownError, MlflowException) as e:
         sys.exit(f"error: {e}")

@@ -44,26 +44,26 @@ def prepare(cfg: DictConfig) -> str:
     from gaexp.config import swept_cells
 
     cells = swept_cells(cfg)  # Hydra gives a callback the swept keys at their defaults
-    check_cells(cfg, cells, typed_before_torch)  # types and ranges first: refused before torch and MLflow load
+    validate_cells(cfg, cells, typed_before_torch)  # types and ranges first: refused before torch and MLflow load
     from mlflow.tracking import MlflowClient
 
     from gaexp import tracking, trial
     from gaexp.data.dataset import fetch, open_dataset, splits
-    from gaexp.cell import check, check_split  # the model against the data, the memory: torch
+    from gaexp.cell import validate_split, validated  # the model against the data, the memory: torch
 
-    c = check_cells(cfg, cells, check)
+    c = validate_cells(cfg, cells, validated)
     if str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")).startswith("hydra_plugins.gaexp_"):
         try:  # its settings, checked as Hydra makes it (after this callback)
             instantiate(cfg.hydra.sweeper)
         except Exception as e:  # noqa: BLE001 - Hydra wraps the constructor's one line in its own lines
             raise ValueError(str(e.__cause__ or e).splitlines()[0]) from None
     if is_search(cfg):  # before any trial
-        trial.check_objective(c.train.num_iterations, c.analysis)
+        trial.require_objective(c.train.num_iterations, c.analysis)
         trial.check_direction(cfg.hydra.sweeper.direction)
     tracking.check_server(c.mlflow.tracking_uri)
     fetch(c.data)  # files and their MD5s, a download: ready before any job
     train, _ = splits(open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
-    check_split(c, len(train), cfg.accumulate)  # the batch against the images it is drawn from, whatever the kind
+    validate_split(c, len(train), cfg.accumulate)  # the batch against the images it is drawn from, whatever the kind
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
@@ -73,7 +73,7 @@ def prepare(cfg: DictConfig) -> str:
 
 def typed_before_torch(cfg: DictConfig) -> Config:
     """`typed` on a job's config but for device_type=${gaexp.device_type:auto}, whose resolver asks torch (seconds
-    to import) whether it sees a GPU: `check` resolves and checks that one after."""
+    to import) whether it sees a GPU: `validate` resolves and checks that one after."""
     job = copy.deepcopy(job_config(cfg))
     if OmegaConf.is_interpolation(job, "device_type"):
         with read_write(job):
@@ -81,13 +81,13 @@ def typed_before_torch(cfg: DictConfig) -> Config:
     return typed(job)
 
 
-def check_cells(cfg: DictConfig, cells: list, check: Callable[[DictConfig], Config]) -> Config:
-    """`check` on the command's first cell, then on each of `cells` (named as the grid sweeper names a bad
-    cell); returns the first cell's checked config."""
-    c = check(job_config(cfg))
+def validate_cells(cfg: DictConfig, cells: list, validate: Callable[[DictConfig], Config]) -> Config:
+    """`validate` on the command's first cell, then on each of `cells` (named as the grid sweeper names a bad
+    cell); returns the first cell's validated config."""
+    c = validate(job_config(cfg))
     for name, cell in cells:
         try:
-            check(job_config(cell))
+            validate(job_config(cell))
         except Exception as e:  # noqa: BLE001 - every kind of bad input of a cell is named the same way
             raise ValueError(f"cell {' '.join(name)}: {e}") from None
     return c

@@ -1,6 +1,6 @@
 """One cell of the grid, in one pass down the layers: its config checked, its data and model built, trained and
 tracked as one MLflow run (or skipped, already FINISHED). gaexp/app.py runs it as a Hydra job; the sweepers
-check every cell with `check` before any runs.
+check every cell with `validated` before any runs.
 
 It imports neither the analysis nor Optuna: a trial's reporting is gaexp/trial.py, which loads Optuna only
 for a trial.
@@ -43,11 +43,11 @@ log = logging.getLogger("gaexp.app")  # the application's log, one name across i
 def training_size(data: DataConfig) -> int | None:
     """The training images left after data.holdout where the config declares their count (an idx dataset's
     num_train, checked against its files when they are read); None: known once the data is read (`prepare`
-    checks `check_split` there)."""
+    checks `validate_split` there)."""
     return data.num_train - data.holdout if data.kind == "idx" and data.num_train is not None else None
 
 
-def check_split(c: Config, size: int, setting: str | None = None) -> None:
+def validate_split(c: Config, size: int, setting: str | None = None) -> None:
     """A micro-batch is at most the training split of `size` images (the data order draws each from the rest of
     one permutation of it and the next: a larger one would silently hold fewer), and so are the b*k samples
     accumulate=batched computes at once. `setting`: what the command asked, where `c` has auto's choice made
@@ -121,14 +121,14 @@ def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int],
                      f" more than the {size_text(available)} {where}; valid: {valid}")
 
 
-def check(cfg: DictConfig) -> Config:
-    """`checked`'s config: the engine resolved."""
-    return checked(cfg)[0]
+def validated(cfg: DictConfig) -> Config:
+    """`validate`'s config: the engine resolved."""
+    return validate(cfg)[0]
 
 
-def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
+def validate(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     """Everything a cell's config can get wrong, checked without writing anything: types, required keys and
-    ranges (gaexp/config.py), the model against the data's shape and classes and the norm's options against
+    ranges (gaexp/config/schema.py), the model against the data's shape and classes and the norm's options against
     the model (e.g. norm.groups against its channels), a compile that cannot run, a model accumulate=batched
     cannot chunk, for a search an objective without a value, a batch larger than the training split (where the
     config declares it) and a run larger than this machine's memory. Returns the config with `accumulate` the
@@ -147,13 +147,13 @@ def checked(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     if c.accumulate == engine.BATCHED:  # a layer it cannot chunk exactly is refused here, not run approximately
         coupled_layers(model)
     if c.optuna.study is not None:  # a trial: what it will return must exist
-        trial.check_objective(c.train.num_iterations, c.analysis)
+        trial.require_objective(c.train.num_iterations, c.analysis)
     size = training_size(c.data)
     choice = engine.choose(c.accumulate, model, c.regime.batch_size, c.regime.num_accum, size,
                            lambda e: memory_problem(c, model, shape, device, e), c.precision)
     c = dataclasses.replace(c, accumulate=choice.engine)
     if size is not None:
-        check_split(c, size)
+        validate_split(c, size)
     check_memory(c, model, shape, device)
     return c, choice
 
@@ -399,7 +399,7 @@ def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_s
     are ready (`prepare`, which PrepareCallback runs once per command). A cell already FINISHED with
     the same protocol key is skipped (its accuracy is returned) unless `rerun=true`."""
     started_at = time.time()  # the run records it: its setup's share of the time (gaexp.breakdown)
-    c, choice = checked(cfg)  # again where the cell runs: a cluster node may see another device than the launcher
+    c, choice = validate(cfg)  # again where the cell runs: a cluster node may see another device than the launcher
     device = resolve_device(c.device)
     if device.type == "cuda" and c.deterministic:
         deterministic_cuda()

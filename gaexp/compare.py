@@ -16,7 +16,7 @@ from typing import Sequence
 from mlflow.tracking import MlflowClient
 
 from gaexp.analysis import PARTS, training_runs
-from gaexp import cli, metrics
+from gaexp import arguments, metrics
 from gaexp.config import ADDED_DEFAULTS
 from gaexp.tags import (ACCUMULATE, ACCUMULATE_SETTING, CELL_START, CURVES, HEARTBEAT, HOST, PROCESS_START, REPLICAS,
                         SINGLE_RUN, SWEEP_ID, SWEEPS)
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--experiment", default="gaexp", help="experiment name in both (default: %(default)s)")
     args = parser.parse_args(argv)
     for uri in (args.store_a, args.store_b):
-        cli.require_store(uri)
+        arguments.require_store(uri)
     found, params = differences(MlflowClient(args.store_a), MlflowClient(args.store_b), args.experiment)
     runs = len(training_runs(MlflowClient(args.store_a), args.experiment))
     print("\n".join([*found, *params]) or "no differences")

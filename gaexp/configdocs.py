@@ -1,4 +1,4 @@
-"""docs/configuration.md's tables of config keys and norm options, generated from the schema (gaexp/config.py) by
+"""docs/configuration.md's tables of config keys and norm options, generated from the schema (gaexp/config/schema.py) by
 `make docs`."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whether what ran a run still runs: a process on this host (pid and start time, from /proc) and a SLURM job
 (its environment, and the cluster's accounting through `sacct`); and a launcher's worker watching the sweep's
-process, to stop with it (`SweepWatch`). No MLflow here: gaexp/tracking.py records
+process, to stop with it (`SweepWatch`). No MLflow here: gaexp/tracking/ records
 these and marks the runs whose process is gone."""
 
 from __future__ import annotations

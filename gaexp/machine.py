@@ -1,5 +1,5 @@
 """The machine a run runs on: the CPUs this process may use (affinity mask, cgroup quota, SLURM's grant) and
-the device `auto` means here. It imports nothing of gaexp; the schema's resolvers (gaexp/config.py) call it."""
+the device `auto` means here. It imports nothing of gaexp; the schema's resolvers (gaexp/config/resolvers.py) call it."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> tor
     make = load(c.model.target)
     channels = norm_channels(make, shape[0], num_classes, c.model.target)
     norms.check_channels(c.norm.options(), channels, c.model.name)
-    norms.check_layer(c.norm, channels)
+    norms.require_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
         model = make_model(c, shape[0], num_classes, make)
     check_output(model, c.model.target, shape, num_classes, f"data={c.data.dataset}")
@@ -165,5 +165,5 @@ def make_model(c: Config, in_channels: int, num_classes: int,
                make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
     """The cell's model for images of `in_channels` and `num_classes` classes (the dataset's), initialized from
     the global RNG (`build` seeds it); `make`: the builder, if already loaded from model.target."""
-    return call_builder(make or load(c.model.target), c.model.target, norm_layer=norms.layer_of(c.norm),
+    return call_builder(make or load(c.model.target), c.model.target, norm_layer=norms.norm_layer(c.norm),
                         in_channels=in_channels, num_classes=num_classes)

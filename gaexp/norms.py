@@ -1,6 +1,6 @@
 """The norms: each declared once (pycls's norm2d, timm's create_norm_layer), read by everything that needs it.
 
-A `Norm` says how to build the layer for a channel count, the schema of its options (gaexp/config.py, which
+A `Norm` says how to build the layer for a channel count, the schema of its options (gaexp/config/schema.py, which
 conf/norm/<name>.yaml extends), whether it couples the samples of a batch in training (the batched engine then
 computes it one micro-batch at a time, gaexp/batched.py), the training hooks it needs (PreciseBN refreshes its
 statistics before every evaluation), whether its training pays for torch.compile on the CPU, and what it
@@ -49,7 +49,7 @@ class Norm:
     couples: Optional[bool]  # its training output for a sample depends on the batch's other samples (batch
     # statistics, running buffers): accumulate=batched computes it per micro-batch; None: the layer says
     # (`couples_samples`) or, for torch's own layers, its type does (gaexp/batched.py)
-    options: type = NormConfig  # the schema of its options (gaexp/config.py)
+    options: type = NormConfig  # the schema of its options (gaexp/config/schema.py)
     hooks: Optional[Callable[..., list]] = None  # (model, train data, seed) -> the training hooks it needs
     compiled_training: bool = False  # compile=auto compiles its training too (its eager kernel is slow)
     remedy: str = ""  # as a BatchNorm remedy: what it changes (gaexp-check)
@@ -114,10 +114,15 @@ def declared(norm: NormConfig) -> Norm:
         make = targets.load(norm.target, "norm.target", positional=1)
         return Norm(make, couples=getattr(make, COUPLES, None), options=CustomNormConfig,
                     hooks=getattr(make, "training_hooks", None))
+    return registered(norm.name)
+
+
+def registered(name: str) -> Norm:
+    """The registry's norm `name`, or one line naming the valid ones."""
     try:
-        return NORMS[norm.name]
+        return NORMS[name]
     except KeyError:
-        raise ValueError(f"norm.name={norm.name!r}; valid: {sorted(NORMS)}") from None
+        raise ValueError(f"norm.name={name!r}; valid: {sorted(NORMS)}") from None
 
 
 def built(norm: Norm, channels: int, **options: Any) -> Any:
@@ -140,12 +145,12 @@ def check_channels(options: dict, channels: Iterable[int], model: str) -> None:
                          f"valid: {valid}")
 
 
-def check_layer(norm: NormConfig, channels: Iterable[int]) -> None:
+def require_layer(norm: NormConfig, channels: Iterable[int]) -> None:
     """A norm file's callable (`norm.target`) must build a module for each channel count the model asks for."""
     if not isinstance(norm, CustomNormConfig):
         return
     import torch
-    make = layer_of(norm)
+    make = norm_layer(norm)
     for c in sorted(set(channels)):
         try:
             with torch.random.fork_rng(devices=[]):
@@ -158,21 +163,10 @@ def check_layer(norm: NormConfig, channels: Iterable[int]) -> None:
                                       "channels; expected a torch.nn.Module")
 
 
-def norm2d(name: str, channels: int, **options: Any) -> Any:
-    """The normalization layer `name` for `channels` channels (options such as `groups` for gn)."""
-    try:
-        norm = NORMS[name]
-    except KeyError:
-        raise ValueError(f"norm.name={name!r}; valid: {sorted(NORMS)}") from None
-    return built(norm, channels, **options)
-
-
-def layer(name: str, **options: Any) -> Callable[[int], Any]:
-    """What a model builder takes as `norm_layer`: channels -> the norm `name` with its options."""
-    return functools.partial(norm2d, name, **options)
-
-
-def layer_of(norm: NormConfig) -> Callable[[int], Any]:
-    """The `norm_layer` of a cell's norm config: the registry's layer, or a norm file's own callable
-    (`target`, with its `params`)."""
-    return functools.partial(built, declared(norm), **norm.options())
+def norm_layer(norm: str | NormConfig, **options: Any) -> Callable[[int], Any]:
+    """What a model builder takes as `norm_layer` (timm's create_norm_layer, pycls's norm2d): channels -> the norm's
+    layer. `norm`: a registered name with its `options` (norm_layer("gn", groups=4)), or a cell's norm config (its
+    own options; a norm file's callable with its `params`)."""
+    if isinstance(norm, str):
+        return functools.partial(built, registered(norm), **options)
+    return functools.partial(built, declared(norm), **norm.options(), **options)

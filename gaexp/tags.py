@@ -3,7 +3,7 @@ each tag's name, the roles of the runs that are not cells, and the builders of a
 tags. The cell, the grid sweeper, the replicas and storegen write through it; the report, progress, the
 breakdown, the ETA replay, tuning and compare read through it. `filter_equals` writes a search filter on a tag.
 tests/test_tags.py fails on a tag or a metric spelled as a literal outside this module and gaexp/metrics.py.
-Metrics are declared in gaexp/metrics.py; params are the config's own keys (gaexp/config.py).
+Metrics are declared in gaexp/metrics.py; params are the config's own keys (gaexp/config/schema.py).
 """
 
 from __future__ import annotations

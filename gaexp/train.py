@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from gaexp.batched import Chunking, accumulate_batched
-from gaexp.data.batches import Draw, Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
+from gaexp.data.batches import Draw, Split, micro_batches
 from gaexp.hooks import EvalPoint, Hook
+from gaexp.machine import device_type
 from gaexp.norms import compiled_training
 from gaexp.precision import Precision
 from gaexp.replicas import Replicas, replica_draws, summing_locally
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present; asking for CUDA without one is an error (the name is checked by the schema)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(device_type(name))
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch.cuda.is_available() is False; valid here: auto, cpu")
     return torch.device(name)

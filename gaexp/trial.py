@@ -37,11 +37,11 @@ def objective(points: list[tuple[int, float]], design: AnalysisConfig) -> float:
     metric, the mean over the evaluations at step > design.window_start; with objective=final, the last."""
     if design.objective == "final":
         return points[-1][1]
-    check_objective(points[-1][0], design)  # the last evaluation is at the last step
+    require_objective(points[-1][0], design)  # the last evaluation is at the last step
     return float(np.mean([acc for step, acc in points if step > design.window_start]))
 
 
-def check_objective(num_iterations: int, design: AnalysisConfig) -> None:
+def require_objective(num_iterations: int, design: AnalysisConfig) -> None:
     """Refuse, before any trial trains, a window objective that no evaluation can fall in (the last step is
     always evaluated)."""
     if design.objective == "window" and num_iterations <= design.window_start:

@@ -26,7 +26,7 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from gaexp import cli, tracking  # noqa: E402
+from gaexp import arguments, tracking  # noqa: E402
 from gaexp.metrics import BEST_TRIAL, BEST_VALUE, TRIAL_VALUE  # noqa: E402
 from gaexp.redact import mask, reconnectable  # noqa: E402
 from gaexp.tags import (BEST, OBJECTIVE, OPTUNA_STATE, OPTUNA_STATES, OPTUNA_STORAGE, OPTUNA_STUDY, OPTUNA_TRIAL,  # noqa: E402
@@ -173,17 +173,17 @@ def tuned_commands(client: MlflowClient, experiment: str, study_prefix: str, see
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gaexp-tuned", description=(
         "Rerun each cell of an Optuna search at its best values, on the test set, with several seeds."))
-    cli.add_store_arguments(parser, experiment="gaexp-tune_lr")
+    arguments.add_store_arguments(parser, experiment="gaexp-tune_lr")
     parser.add_argument("--study", default="tune_lr", help="the search's study_name (default: %(default)s)")
     parser.add_argument("--seeds", default="1,2,3", help="seeds of the reruns (default: %(default)s)")
     parser.add_argument("--run", action="store_true", help="run the commands (default: print them)")
     parser.add_argument("overrides", nargs="*", help="more overrides for every rerun, e.g. launch=joblib "
                                                      "mlflow.experiment_name=gaexp-tune_lr-test")
     args = parser.parse_args(argv)
-    cli.require_store(args.tracking_uri)
+    arguments.require_store(args.tracking_uri)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one config.yaml per study: no bars
     try:
-        with cli.store_errors(args.tracking_uri):
+        with arguments.store_errors(args.tracking_uri):
             commands = tuned_commands(MlflowClient(args.tracking_uri), args.experiment, args.study, args.seeds,
                                       args.overrides)
     except ValueError as e:

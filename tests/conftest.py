@@ -31,6 +31,7 @@ from gaexp.data.dataset import Dataset, open_dataset
 from gaexp.data.idx import ensure_data
 from gaexp.hooks import EvalPoint
 from gaexp.machine import usable_cores
+from gaexp import tags as runtags
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import free_port as unused_port
 from tests.slurm_cluster import unavailable as slurm_unavailable
@@ -296,8 +297,8 @@ def cell_run(client: MlflowClient, experiment_id: str, name: str, status: str, s
     seconds from its start to now (its end, if it ended)."""
     norm, regime, seed = name.split("-")
     tags = {"norm": norm, "regime": regime, "seed": seed[1:], "batch_size": b, "num_accum": k,
-            "sweep_id": sweep_id, tracking.SWEEPS: sweep_id,
-            tracking.HEARTBEAT: f"{heartbeat if heartbeat is not None else time.time():.0f}", **(tags or {})}
+            "sweep_id": sweep_id, runtags.SWEEPS: sweep_id,
+            runtags.HEARTBEAT: f"{heartbeat if heartbeat is not None else time.time():.0f}", **(tags or {})}
     now = int(time.time() * 1000)
     run_id = client.create_run(experiment_id, start_time=now - int(elapsed * 1000), run_name=name,
                                tags={k: str(v) for k, v in tags.items()}).info.run_id

@@ -492,7 +492,7 @@ def test_trial_runs_in_the_same_store_and_sweep_never_enter_the_grid_report(stor
 def test_rows_follow_the_order_the_norms_are_declared_in_then_ones_own_sorted():
     """A study that sets no norm_order (the default) orders its rows as gaexp/norms.py declares the norms."""
     default = analysis.norm_order(AnalysisConfig())
-    assert analysis._order(["zz", "gn4", "mean_bn", "in", "brn", "bn"], default) == ["bn", "in", "gn4", "brn", "mean_bn", "zz"]
+    assert analysis.in_order(["zz", "gn4", "mean_bn", "in", "brn", "bn"], default) == ["bn", "in", "gn4", "brn", "mean_bn", "zz"]
     assert analysis.norm_order(AnalysisConfig(norm_order=["in", "bn"])) == ["in", "bn"]
 
 

@@ -30,6 +30,7 @@ from gaexp.app import hydra_sweep_problem
 from gaexp.callbacks import prepare, report_command
 from gaexp.cell import run_cell, threads_for
 from gaexp.config import composition_problem
+from gaexp.config import AnalysisConfig
 from hydra_plugins.gaexp_optuna_sweeper._impl import split_arguments
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 from tests.conftest import TINY
@@ -176,7 +177,7 @@ def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell
                   outputs=tmp_path / "out")
     with pytest.raises(ValueError, match=r"^norm.target='torch.nn:InstanceNorm2d': building it for 32 channels with "
                                          r"\{.*'nope': 1\} fails: TypeError: "):
-        cell.check(bad)
+        cell.validated(bad)
 
 
 def test_a_batched_cell_is_its_own_run_and_records_the_loops_memory_beside_its_own(tmp_path, compose, monkeypatch):
@@ -224,7 +225,7 @@ def test_a_coupled_norm_of_ones_own_in_one_file_trains_under_both_engines_and_sh
     assert runs["batched-mean_bn-bs4a4-s1"].data.tags["accumulate"] == "batched"
     assert loss["batched-mean_bn-bs4a4-s1"] == pytest.approx(loss["mean_bn-bs4a4-s1"], rel=1e-5)  # rounding only
     summary, _, _ = analysis.report(batched.mlflow.tracking_uri, "gaexp", sweep="s1",
-                                    design=analysis.AnalysisConfig(window_start=0, table_columns=["bs16a1", "bs4a4"]),
+                                    design=AnalysisConfig(window_start=0, table_columns=["bs16a1", "bs4a4"]),
                                     out=tmp_path / "report", plots=False)
     assert list(summary.table.index) == ["bn", "mean_bn"]  # the declared norms first, then one's own (test_analysis)
     assert summary.cells.loc[("mean_bn", "bs4a4"), "seeds"] == 1 and 0 < summary.table.loc["mean_bn", "bs4a4"] < 100
@@ -250,12 +251,12 @@ def test_a_layer_batched_cannot_chunk_is_refused_in_one_line_before_anything_run
     (tmp_path / "mine" / "norm").mkdir(parents=True)
     (tmp_path / "mine" / "norm" / "in_running.yaml").write_text(NORM_FILE)
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'mine'}]"
-    cell.check(compose(*TINY, searchpath, *mean_norm, outputs=tmp_path / "out"))  # the loop runs any layer
+    cell.validated(compose(*TINY, searchpath, *mean_norm, outputs=tmp_path / "out"))  # the loop runs any layer
     with pytest.raises(ValueError, match=r"^accumulate=batched: layer 'features.1' is a mine_norms.MeanNorm, not a "
                                          r"layer gaexp knows .*; run accumulate=loop$"):
         prepare(compose(*TINY, searchpath, *mean_norm, "accumulate=batched", outputs=tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing written
-    cell.check(compose(*TINY, searchpath, "norm=in_running", "accumulate=batched", outputs=tmp_path / "out"))
+    cell.validated(compose(*TINY, searchpath, "norm=in_running", "accumulate=batched", outputs=tmp_path / "out"))
 
 
 def test_a_holdout_cell_trains_on_the_kept_images_and_evaluates_the_held_out_ones(tmp_path, compose, monkeypatch):

@@ -24,7 +24,7 @@ from gaexp.data.batches import micro_batches
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.layers import BatchRenorm2d
 from gaexp.config import CustomNormConfig
-from gaexp.norms import NORMS, layer, layer_of, norm2d
+from gaexp.norms import NORMS, norm_layer
 from gaexp.train import accumulate, step_function
 from tests.conftest import Float64
 
@@ -81,20 +81,20 @@ def user_norm(tmp_path, monkeypatch) -> str:
     return USER_NORM
 
 
-def norm_layer(norm: str, b: int, k: int):
+def study_layer(norm: str, b: int, k: int):
     if ":" in norm:  # a norm of one's own, as norm=custom norm.target=... builds it
-        return layer_of(CustomNormConfig(name="mean_bn", target=norm))
+        return norm_layer(CustomNormConfig(name="mean_bn", target=norm))
     options = {"bn_kmom": {"num_accum": k, "momentum": 0.1},
                # r and d clipped at their maxima from the first step, so the corrections act in every chunk
                "brn": {"num_accum": k, "r_max": 3.0, "d_max": 5.0, "warmup_steps": 0, "ramp_steps": 0},
                "bn_precise": {"stats_batch_size": 16, "stats_samples": 64},
                "bn_microeval": {"micro_batch": b}}.get(norm, {})
-    return layer(norm, **options)
+    return norm_layer(norm, **options)
 
 
 def build(norm: str, b: int, k: int, model: str = "simple", float64: bool = True) -> nn.Module:
     torch.manual_seed(1)
-    net = MODELS[model](norm_layer(norm, b, k)).to(memory_format=torch.channels_last)
+    net = MODELS[model](study_layer(norm, b, k)).to(memory_format=torch.channels_last)
     return Float64(net) if float64 else net
 
 
@@ -282,14 +282,14 @@ class DeclaredMeanOverBatch(MeanOverBatch):
 
 
 def test_the_coupling_layers_are_the_batchnorms_and_instancenorm_with_running_statistics():
-    brn = norm2d("brn", 4, num_accum=1, r_max=3.0, d_max=5.0, warmup_steps=0, ramp_steps=0)
+    brn = norm_layer("brn", num_accum=1, r_max=3.0, d_max=5.0, warmup_steps=0, ramp_steps=0)(4)
     net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.InstanceNorm2d(4), nn.GroupNorm(2, 4),
                         nn.InstanceNorm2d(4, track_running_stats=True), brn, DeclaredMeanOverBatch())
     assert [name for name, _ in coupled_layers(net)] == ["1", "4", "5", "6"]
-    assert brn.couples_samples is True and norm2d("in", 4).couples_samples is False  # each norm's declaration
-    assert [name for name, _ in coupled_layers(SimpleModel(layer("bn")))] == [f"features.{i}" for i in (1, 5, 9, 13)]
-    assert len(coupled_layers(ResNet20(layer("bn")))) == 19
-    assert coupled_layers(SimpleModel(layer("gn4"))) == []
+    assert brn.couples_samples is True and norm_layer("in")(4).couples_samples is False  # each norm's declaration
+    assert [name for name, _ in coupled_layers(SimpleModel(norm_layer("bn")))] == [f"features.{i}" for i in (1, 5, 9, 13)]
+    assert len(coupled_layers(ResNet20(norm_layer("bn")))) == 19
+    assert coupled_layers(SimpleModel(norm_layer("gn4"))) == []
 
 
 def test_chunking_leaves_the_model_untouched_outside_a_step(train_split):

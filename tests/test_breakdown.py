@@ -90,10 +90,10 @@ def hand_made_store(tmp_path) -> str:
     client = MlflowClient(uri)
     ms = lambda t: int((T0 - 1000 + t) * 1000)  # noqa: E731
     plan = client.create_run(experiment_id, start_time=ms(1000), run_name=f"sweep-{SWEEP}", tags={
-        "gaexp.role": runtags.PLAN_ROLE, "sweep_id": SWEEP, tracking.HOST: "elsewhere:9"}).info.run_id
+        "gaexp.role": runtags.PLAN_ROLE, "sweep_id": SWEEP, runtags.HOST: "elsewhere:9"}).info.run_id
     client.set_terminated(plan, "FINISHED", end_time=ms(1200))
     tags = {"norm": "bn", "regime": "bs4a4", "batch_size": "4", "num_accum": "4", "sweep_id": SWEEP,
-            tracking.SWEEPS: SWEEP, "compiled": "eval", tracking.HOST: "elsewhere:1", tracking.PROCESS_START: "99",
+            runtags.SWEEPS: SWEEP, "compiled": "eval", runtags.HOST: "elsewhere:1", runtags.PROCESS_START: "99",
             runtags.CELL_START: f"{T0 - 1000 + 1005:.3f}"}
     run = client.create_run(experiment_id, start_time=ms(1007), run_name="bn-bs4a4-s1", tags=tags).info.run_id
     client.log_batch(run, params=[Param("train.num_iterations", "6"), Param("train.eval_period", "2")])

@@ -1,4 +1,4 @@
-"""gaexp/check.py and gaexp-check: one step both ways names what breaks accumulation, and nothing else."""
+"""gaexp/check/ and gaexp-check: one step both ways names what breaks accumulation, and nothing else."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import re
 import shlex
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,11 @@ from torchvision.models import resnet18
 
 from conftest import REPO
 
-from gaexp.check import BN_ACCUMULATED, BN_REMEDIES, CheckError, NonFiniteError, check_accumulation
-from gaexp.check_cli import BAD_INPUT, SAFE, UNSAFE, _finite, main, run
+from gaexp.check import CheckError, NonFiniteError, check_accumulation
+from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES
+from gaexp.check.cli import BAD_INPUT, SAFE, UNSAFE, _finite, main, run
 from gaexp.model import ResNet20, SimpleModel
-from gaexp.norms import norm2d
+from gaexp.norms import norm_layer
 from gaexp.tools.zoo import truth
 
 
@@ -39,7 +39,7 @@ def batchnorms(model: nn.Module) -> list[str]:
 
 def test_the_cnn_with_batchnorm_is_unsafe_and_its_four_batchnorms_are_named(mnist_batch):
     torch.manual_seed(0)
-    model = SimpleModel(partial(norm2d, "bn"))
+    model = SimpleModel(norm_layer("bn"))
     report = check_accumulation(model, *mnist_batch, micro_batch=2, num_accum=4)
     assert not report.safe
     assert [c.module for c in report.modules] == batchnorms(model) == ["features.1", "features.5", "features.9",
@@ -58,7 +58,7 @@ def test_the_cnn_with_batchnorm_is_unsafe_and_its_four_batchnorms_are_named(mnis
 
 def test_a_gaexp_model_is_told_gaexps_norm_choices(mnist_batch):
     torch.manual_seed(0)
-    report = check_accumulation(SimpleModel(partial(norm2d, "bn")), *mnist_batch, micro_batch=2, num_accum=4,
+    report = check_accumulation(SimpleModel(norm_layer("bn")), *mnist_batch, micro_batch=2, num_accum=4,
                                 norm_choices=True)
     assert [line.split(":")[0].strip() for line in report.remedies[1:]] == [
         f"norm={choice}" for choice, *_ in BN_REMEDIES]
@@ -69,7 +69,7 @@ def test_a_gaexp_model_is_told_gaexps_norm_choices(mnist_batch):
 @pytest.mark.parametrize("norm", ["gn4", "gn16", "in", "none"])
 def test_the_cnn_with_a_batch_free_norm_is_safe(norm, mnist_batch):
     torch.manual_seed(0)
-    model = SimpleModel(partial(norm2d, norm))
+    model = SimpleModel(norm_layer(norm))
     report = check_accumulation(model, *mnist_batch, micro_batch=2, num_accum=4)
     assert report.safe, str(report)
     assert report.modules == [] and report.buffers == [] and report.remedies == [] and report.causes == []
@@ -80,7 +80,7 @@ def test_the_cnn_with_a_batch_free_norm_is_safe(norm, mnist_batch):
 
 def test_resnet20_with_batchnorm_names_all_its_19_batchnorms(mnist_batch):
     torch.manual_seed(0)
-    model = ResNet20(partial(norm2d, "bn"))
+    model = ResNet20(norm_layer("bn"))
     report = check_accumulation(model, *mnist_batch, micro_batch=2, num_accum=4)
     assert not report.safe and [c.module for c in report.modules] == batchnorms(model) and len(batchnorms(model)) == 19
 
@@ -197,7 +197,7 @@ def test_a_coupling_in_a_forward_names_that_module_not_its_children():
 
 def test_the_model_is_left_as_it_was(mnist_batch):
     torch.manual_seed(0)
-    model = SimpleModel(partial(norm2d, "bn")).eval()
+    model = SimpleModel(norm_layer("bn")).eval()
     model.features[0].weight.grad = torch.ones_like(model.features[0].weight)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     before_rng = torch.get_rng_state()
@@ -220,7 +220,7 @@ def test_the_model_is_left_as_it_was(mnist_batch):
     (dict(micro_batch=2, num_accum=4, rtol=0.0), "rtol=0.0; valid: a number > 0"),
 ])
 def test_bad_input_is_one_line_naming_it(call, message, mnist_batch):
-    model = SimpleModel(partial(norm2d, "gn4"))
+    model = SimpleModel(norm_layer("gn4"))
     with pytest.raises(CheckError, match=re.escape(message)) as e:
         check_accumulation(model, *mnist_batch, **call)
     assert "\n" not in str(e.value)
@@ -239,7 +239,7 @@ def test_the_remedies_quoted_are_the_figures_of_the_results_document():
 # --- the command ---------------------------------------------------------------------------------------
 
 def test_the_command_exits_1_and_names_the_layers_in_json():
-    done = subprocess.run([sys.executable, "-m", "gaexp.check_cli", "model=simple", "norm=bn", "--json"],
+    done = subprocess.run([sys.executable, "-m", "gaexp.check", "model=simple", "norm=bn", "--json"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -13,9 +12,9 @@ import torch
 from torch import nn
 
 from gaexp.check import CheckError, NonFiniteError, check_accumulation, measurably_worse, precision_drift
-from gaexp.check_cli import BAD_INPUT, IMPRECISE, SAFE, UNSAFE, run, status
+from gaexp.check.cli import BAD_INPUT, IMPRECISE, SAFE, UNSAFE, run, status
 from gaexp.model import SimpleModel
-from gaexp.norms import norm2d
+from gaexp.norms import norm_layer
 
 LINEAR = "from torch import nn\n\n\ndef build():\n    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
 
@@ -180,7 +179,7 @@ def test_fp16_backs_off_its_scale_as_training_does_and_measures_at_the_scale_fou
 def test_the_python_api_adds_the_figures_and_leaves_the_model_as_it_was(train_split):
     inputs, labels = train_split.inputs(slice(0, 8)).contiguous(), train_split.labels[:8]
     torch.manual_seed(0)
-    model = SimpleModel(partial(norm2d, "gn4"))
+    model = SimpleModel(norm_layer("gn4"))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     report = check_accumulation(model, inputs, labels, micro_batch=2, num_accum=4, precision="bf16w")
     assert report.safe and report.precision is not None and report.precision.precision == "bf16w"
@@ -190,7 +189,7 @@ def test_the_python_api_adds_the_figures_and_leaves_the_model_as_it_was(train_sp
 
 
 def test_a_precision_the_check_cannot_use_is_its_bad_input():
-    model = SimpleModel(partial(norm2d, "gn4"))
+    model = SimpleModel(norm_layer("gn4"))
     inputs, labels = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
     with pytest.raises(CheckError, match=re.escape("precision='bf8'; valid: bf16, bf16w, bf16w-acc32, fp16, fp32")):
         check_accumulation(model, inputs, labels, micro_batch=2, num_accum=4, precision="bf8")

@@ -22,7 +22,7 @@ from gaexp.configdocs import DOCS_PAGE, markdown_table
 from gaexp.machine import cgroup_cpus, usable_cores
 from gaexp.model import SimpleModel
 from gaexp.layers import BatchRenorm2d, CrossReplicaBatchNorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
-from gaexp.norms import layer, NORMS
+from gaexp.norms import NORMS, norm_layer
 from gaexp.train import train
 
 NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom",
@@ -74,7 +74,7 @@ def test_every_cell_composes_and_trains(norm, regime, compose, train_split, smal
     c = typed(compose(f"norm={norm}", f"regime={regime}", "seed=2", "train.num_iterations=2", "train.eval_period=1"))
     assert (c.regime.batch_size, c.regime.num_accum) == REGIMES[regime] and c.regime.name == regime
     torch.manual_seed(c.seed)
-    model = SimpleModel(layer(c.norm.name, **c.norm.options())).to(memory_format=torch.channels_last)
+    model = SimpleModel(norm_layer(c.norm.name, **c.norm.options())).to(memory_format=torch.channels_last)
     layers = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
     kind, options = NORM_LAYERS[norm]
     if kind is None:
@@ -309,21 +309,31 @@ OPTUNA, GRID = "hydra_plugins.gaexp_optuna_sweeper", "hydra_plugins.gaexp_grid_s
 # Every module of gaexp and of its Hydra plugins, bottom first: each imports (at its top or inside a function) only
 # modules before it. The plugins' shared names and the trial side gaexp calls sit at the bottom; their sweepers and
 # launcher, which Hydra loads and nothing imports, at the top, above the app they never import.
-TOOLS = ("bench", "drift", "zoo", "gpucheck", "eta_replay", "storegen", "storebench", "ui", "server")  # their first
-# `python -m gaexp.NAME`: each runs gaexp/tools/NAME.py by name and imports nothing
+FIRST_NAMES = {**{tool: f"tools.{tool}" for tool in ("bench", "drift", "zoo", "gpucheck", "eta_replay", "storegen",
+                                                     "storebench", "ui", "server")},
+               "check_cli": "check.cli"}  # `python -m gaexp.NAME` as first announced: each runs its module by name
+WING = {name: [*(f"{name}.{m}" for m in modules), name] for name, modules in {  # a package's modules, bottom up,
+    "config": ("keys", "schema", "protocol", "overrides", "resolvers"),             # then the package, which names
+    "tracking": ("store", "search", "record", "resume", "inputs", "models"),       # their public names
+    "progress": ("cost", "account", "sweep", "live", "status", "__main__"),
+    "analysis": ("columns", "collection", "stats", "figures", "tables", "reporting", "__main__")}.items()}
+CHECK = ("errors", "evidence", "trees", "state", "recorder", "loss", "numerics", "report", "randomness", "step",
+         "coupling", "remedies", "accumulation")  # the check wing, bottom up (gaexp/check/__init__.py)
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
-              "machine", "redact", "cli", "config", "metrics", "tags", "study", "configdocs", "targets",
+              "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
               "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
               "data.custom", "data.dataset", "data.__main__", "precision", "hooks", "liveness", "trial", "layers",
-              "norms", "model", "memory", "batched", "replicas", "engine", "train", "check", "tracking", "cell",
-              "tools.storegen", "tools.server", "progress", "breakdown", "tools.eta_replay", "tuning", "analysis",
-              "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check_cli", "tools.zoo",
-              "tools.gpucheck", "callbacks", "app", "__main__", *(f"{tool}" for tool in TOOLS)]),
+              "norms", "model", "memory", "batched", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
+              "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
+              "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo",
+              "tools.gpucheck", "callbacks", "app", "__main__", *FIRST_NAMES]),
           f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
           "hydra_plugins.gaexp_regimes.source"]
 WINGS = {"gaexp.data": ("gaexp.config", "gaexp.targets"),  # a wing's modules import these of gaexp and their own wing
+         "gaexp.check": ("gaexp.config", "gaexp.precision", "gaexp.norms"),  # (its command, check.cli, anything below)
          "gaexp.tools": None}  # None: anything below; but nothing outside the wing imports it
+COMMANDS = ("gaexp.check.cli", "gaexp.check.__main__")  # a wing's command, above it
 THE_APP = ("gaexp.app", "gaexp.callbacks", "gaexp.__main__")  # what no plugin imports
 
 
@@ -350,40 +360,55 @@ def imported_modules(tree: ast.Module, known: list[str]) -> set[str]:
 
 
 def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+    """gaexp.data.idx for gaexp/data/idx.py; gaexp.config for gaexp/config/__init__.py (a package that names its modules'
+    names: importing it imports them)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_path(module: str) -> Path:
+    path = REPO / module.replace(".", "/")
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imports_anything(path: Path) -> bool:
+    return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(ast.parse(path.read_text())))
 
 
 def test_imports_point_down_and_no_plugin_imports_the_app():
     """Each module of gaexp and of its plugins imports only modules below it (LAYERS: no cycle, no upward
     import), and no plugin imports the app."""
-    found = sorted([module_name(p) for p in (REPO / "gaexp").rglob("*.py") if p.stem != "__init__"] +
+    found = sorted([module_name(p) for p in (REPO / "gaexp").rglob("*.py")  # the root package registers the config only
+                    if p.stem != "__init__" or (imports_anything(p) and p.parent.name != "gaexp")] +
                    [f"hydra_plugins.{p.parent.name}.{p.stem}" for p in (REPO / "hydra_plugins").glob("gaexp_*/*.py")
                     if p.stem != "__init__"])
     assert found == sorted(LAYERS)
     for module in LAYERS:
-        tree = _without_main_block(ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text()))
+        tree = _without_main_block(ast.parse(module_path(module).read_text()))
         imported = imported_modules(tree, LAYERS)
         above = sorted(m for m in imported if LAYERS.index(m) >= LAYERS.index(module))
         assert not above, f"{module} imports {above}, which sit above it"
         if module.startswith("hydra_plugins."):
             assert not imported & set(THE_APP), f"{module} imports the app: {sorted(imported & set(THE_APP))}"
         for wing, allowed in WINGS.items():
-            if module.startswith(wing + "."):
+            if module.startswith(wing + ".") and module not in COMMANDS:
                 outside = sorted(m for m in imported if not m.startswith(wing + ".") and allowed is not None
                                  and m.startswith("gaexp.") and m not in allowed)
                 assert not outside, f"{module}, of the wing {wing}, imports {outside} of the app"
-            else:
+            elif not module.startswith(wing + "."):
                 inside = sorted(m for m in imported if m.startswith(wing + "."))
                 assert allowed is not None or not inside, f"{module} imports the tools {inside}"
 
 
-@pytest.mark.parametrize("tool", TOOLS)
-def test_a_tools_first_name_runs_it(tool):
-    """`python -m gaexp.NAME` runs gaexp/tools/NAME.py with its arguments, as `python -m gaexp.tools.NAME` does."""
-    tree = ast.parse((REPO / "gaexp" / f"{tool}.py").read_text())
+@pytest.mark.parametrize("name, module", FIRST_NAMES.items())
+def test_a_commands_first_name_runs_it(name, module):
+    """`python -m gaexp.NAME` runs the module it moved to (gaexp/tools/NAME.py, gaexp/check/cli.py) with its
+    arguments, as `python -m gaexp.tools.NAME` (or gaexp-check) does."""
+    tree = ast.parse((REPO / "gaexp" / f"{name}.py").read_text())
     assert imported_modules(tree, LAYERS) == set(), "a first name imports nothing of gaexp: the tool runs by its name"
-    done = subprocess.run([sys.executable, "-m", f"gaexp.{tool}", "--help"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.startswith(f"usage: python -m gaexp.tools.{tool} "), done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-m", f"gaexp.{name}", "--help"], capture_output=True, text=True, timeout=300)
+    prog = "gaexp-check" if module == "check.cli" else f"python -m gaexp.{module}"
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: {prog} "), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("files, cpus", [

@@ -19,18 +19,19 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 from torchvision.datasets import CIFAR10
 
-from gaexp import analysis, check_cli
+from gaexp import analysis
+from gaexp.check import cli as check_cli
 from gaexp.data import custom, limits
 from gaexp.data.batches import Split
 from gaexp.data.dataset import content_digest, describe, fetch, open_dataset, splits
 from gaexp.analysis import AnalysisError, collect, summarize
 from gaexp.callbacks import PrepareCallback, prepare
-from gaexp.cell import check, run_cell
+from gaexp.cell import validated, run_cell
 from gaexp.data.batches import micro_batches
 from gaexp.config import AnalysisConfig, RegimeConfig, TrainConfig, typed
 from gaexp.data.catalog import DataError, data_config
 from gaexp.model import ResNet20, SimpleModel
-from gaexp.norms import layer
+from gaexp.norms import norm_layer
 from gaexp.train import train
 from tests.conftest import TINY, Float64
 from tests.test_imagefolder import write_folder
@@ -269,13 +270,13 @@ def test_custom_data_trains_a_cell_another_loader_result_is_another_protocol(loa
 def test_a_model_not_built_for_the_class_count_is_refused_before_anything_runs(loaders, tmp_path, compose):
     with pytest.raises(ValueError, match=r"model.target='my_loaders:always_ten': a batch of 2 images gave output of "
                                          r"shape \(2, 10\); expected \(2, 4\) logits \(data=custom has 4 classes\)"):
-        check(compose("model=custom", f"model.target={loaders}:always_ten", "data=custom",
+        validated(compose("model=custom", f"model.target={loaders}:always_ten", "data=custom",
                       f"data.target={loaders}:tensors"))
     with pytest.raises(ValueError, match=r"data.num_classes=3; valid: 6 \(the classes of data=imagefolder\)"):
         folder = write_folder(tmp_path / "six", grey=False)
         for extra in ("fox", "gnu", "hen"):
             shutil.copytree(folder / "cat", folder / extra)
-        check(compose("data=imagefolder", f"data.path={folder}", "data.num_classes=3", "data.size=[8,8]"))
+        validated(compose("data=imagefolder", f"data.path={folder}", "data.num_classes=3", "data.size=[8,8]"))
 
 
 def test_an_image_folder_trains_a_cell_and_an_edited_image_is_another_protocol_the_report_never_pools(tmp_path,
@@ -326,14 +327,14 @@ def test_a_batch_independent_norm_stays_the_true_batch_with_augmentation_on(tmp_
     weights = {}
     for b, k in ((16, 1), (4, 4), (1, 16)):
         torch.manual_seed(1)
-        model = Float64(ResNet20(layer("gn4"), in_channels=3))
+        model = Float64(ResNet20(norm_layer("gn4"), in_channels=3))
         train(model, data, data.take(slice(0, 8)), TrainConfig(num_iterations=3, eval_period=3), RegimeConfig(b, k),
               seed=5)
         weights[b] = torch.cat([p.detach().flatten() for p in model.parameters()])
     moved = (weights[16] - weights[4]).norm() / weights[16].norm()
     assert moved < 1e-12 and (weights[16] - weights[1]).norm() / weights[16].norm() < 1e-12
     torch.manual_seed(1)
-    plain = Float64(ResNet20(layer("gn4"), in_channels=3))
+    plain = Float64(ResNet20(norm_layer("gn4"), in_channels=3))
     train(plain, Split(images, data.labels, data.mean, data.std), data.take(slice(0, 8)),
           TrainConfig(num_iterations=3, eval_period=3), RegimeConfig(16, 1), seed=5)
     assert (torch.cat([p.detach().flatten() for p in plain.parameters()]) - weights[16]).norm() > 1e-6  # it augments

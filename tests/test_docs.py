@@ -26,7 +26,8 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, check_cli, compare, progress, tuning
+from gaexp import analysis, compare, progress, tuning
+from gaexp.check import cli as check_cli
 from gaexp.tools import bench, drift, eta_replay, gpucheck, server, storebench, storegen, ui, zoo
 from gaexp.data import __main__ as data_command
 from gaexp.config import job_config, composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
@@ -218,7 +219,7 @@ def test_a_documented_command_works_as_written(command, monkeypatch, tmp_path):
             assert name in EXPORTS, f"{command}: ${{oc.env:{name}}} with no `export {name}=...` in the docs"
             monkeypatch.setenv(name, EXPORTS[name])
         check_hydra(hydra_overrides(command.argv[1:]))
-    elif head in ("gaexp-check", "gaexp.check_cli"):
+    elif head in ("gaexp-check", "gaexp.check", "gaexp.check_cli"):
         parsed = check_cli.parser().parse_intermixed_args(args)
         if "=" in parsed.target[0]:
             check_hydra([t for t in parsed.target])

@@ -12,6 +12,8 @@ from torch import nn
 from gaexp import analysis, cell, engine, tracking
 from gaexp.cell import run_cell
 from gaexp.model import make_model
+from gaexp import tags as runtags
+from gaexp.config import AnalysisConfig
 from tests.conftest import TINY
 from tests.test_app import prepared
 
@@ -69,12 +71,12 @@ def test_a_run_beyond_memory_under_auto_is_the_loop_and_under_batched_refused(co
     """The memory check itself (cell.check_memory) decides: 1 GiB a sample, 4 GiB free, micro-batch 1 of 16."""
     monkeypatch.setattr(cell, "sample_bytes", lambda model, shape: 2**30)
     monkeypatch.setattr(cell, "available_bytes", lambda device: (4 * 2**30, "free here"))
-    c, choice = cell.checked(compose(*AUTO, "norm=bn", "regime=bs1a16"))
+    c, choice = cell.validate(compose(*AUTO, "norm=bn", "regime=bs1a16"))
     assert (c.accumulate, choice.engine, choice.setting) == ("loop", "loop", "auto")
     assert choice.reason.startswith("a step's 16 samples at once do not fit: regime.batch_size=1 regime.num_accum=16 "
                                     "accumulate=batched: a run needs about 16.")
     with pytest.raises(ValueError, match=r"^regime.batch_size=1 regime.num_accum=16 accumulate=batched: a run needs"):
-        cell.check(compose(*AUTO, "norm=bn", "regime=bs1a16", "accumulate=batched"))
+        cell.validated(compose(*AUTO, "norm=bn", "regime=bs1a16", "accumulate=batched"))
 
 
 def test_a_model_batched_refuses_trains_with_the_loop_under_auto_its_line_printed_and_the_engine_recorded(
@@ -106,7 +108,7 @@ def test_auto_runs_batched_and_a_loop_store_resumes_under_it_with_no_rerun(tmp_p
     client = MlflowClient(loop.mlflow.tracking_uri)
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])}
     assert sorted(runs) == ["batched-bn-bs1a16-s1", "bn-bs4a4-s1"]  # the loop's cell not run again
-    assert runs["bn-bs4a4-s1"].data.tags[tracking.SWEEPS] == "old,new"
+    assert runs["bn-bs4a4-s1"].data.tags[runtags.SWEEPS] == "old,new"
     new = runs["batched-bn-bs1a16-s1"]
     assert (new.data.tags["accumulate"], new.data.tags["accumulate_setting"]) == ("batched", "auto")
     assert "accumulate_fallback" not in new.data.tags
@@ -114,7 +116,7 @@ def test_auto_runs_batched_and_a_loop_store_resumes_under_it_with_no_rerun(tmp_p
     assert loop_key != new.data.tags["protocol_key"]
     # the report of the resumed sweep: the engines differ between cells, said under the table; never within one
     summary, _, files = analysis.report(loop.mlflow.tracking_uri, "gaexp", sweep="new",
-                                        design=analysis.AnalysisConfig(window_start=0, reference="bs4a4",
+                                        design=AnalysisConfig(window_start=0, reference="bs4a4",
                                                                        table_columns=["bs4a4", "bs1a16"]),
                                         out=tmp_path / "report", plots=False)
     assert summary.engines == ("Engines differ between cells: batched: bn/bs1a16; loop: bn/bs4a4. Their steps are "
@@ -131,7 +133,7 @@ def test_a_cell_with_runs_of_both_engines_is_refused_naming_them(tmp_path, compo
     with pytest.raises(analysis.AnalysisError, match=r"^the cell bn/bs4a4 has runs of both engines \(batched: seed 1; "
                                                      r"loop: seed 1, 2\): they agree within seed noise"):
         analysis.report(f"sqlite:///{tmp_path}/mlflow.db", "gaexp", sweep="s1",
-                        design=analysis.AnalysisConfig(window_start=0), out=tmp_path / "report", plots=False)
+                        design=AnalysisConfig(window_start=0), out=tmp_path / "report", plots=False)
 
 
 def test_under_auto_the_protocol_keys_of_both_engines_count_the_loops_as_recorded_before_auto():
@@ -146,7 +148,7 @@ def test_under_auto_the_protocol_keys_of_both_engines_count_the_loops_as_recorde
 @pytest.mark.parametrize("value", ["Auto", "fast", ""])
 def test_an_unknown_engine_is_refused_naming_the_valid_ones(compose, value):
     with pytest.raises(ValueError, match=rf"accumulate='{value}'.*valid: loop, batched, auto"):
-        cell.check(compose(*AUTO, f"accumulate={value}"))
+        cell.validated(compose(*AUTO, f"accumulate={value}"))
 
 
 

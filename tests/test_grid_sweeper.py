@@ -26,6 +26,7 @@ from submitit.core.utils import UncompletedJobError
 from gaexp import liveness, progress, tracking
 from gaexp.config import FAILED_MARKER
 from gaexp.config import CONFIG_DIR
+from gaexp import tags as runtags
 from hydra_plugins.gaexp_grid_sweeper.submitit_launcher import SlurmLauncher, wait_for_every
 from hydra_plugins.gaexp_grid_sweeper.sweeper import GridSweeper, longest_first
 
@@ -98,7 +99,7 @@ def test_the_plan_costs_a_cell_under_its_precision(compose):
 
 
 def test_a_cells_graphs_are_what_its_compile_choice_compiles_for_its_norm(compose):
-    """The plan counts each graph once (gaexp/progress.py): compile=auto compiles evaluation for every norm,
+    """The plan counts each graph once (gaexp/progress/): compile=auto compiles evaluation for every norm,
     training too for instance norm, one graph per batch size."""
     from hydra_plugins.gaexp_grid_sweeper.sweeper import check_cell, cost_of
 
@@ -185,7 +186,7 @@ def test_a_task_without_a_result_is_a_failed_cell_with_its_run_killed_and_the_ot
     assert config.hydra.launcher._target_ == "hydra_plugins.gaexp_grid_sweeper.submitit_launcher.SlurmLauncher"
     experiment_id = tracking.prepare_store(config.mlflow.tracking_uri, "gaexp", str(tmp_path / "artifacts"))
     client = MlflowClient(config.mlflow.tracking_uri)
-    runs = {job: client.create_run(experiment_id, run_name=job, tags={tracking.SLURM_JOB: job}).info.run_id
+    runs = {job: client.create_run(experiment_id, run_name=job, tags={runtags.SLURM_JOB: job}).info.run_id
             for job in ("7_0", "7_1", "7_2")}  # as the tasks left them: RUNNING
     cells = [["norm=gn4", "regime=bs4a4"], ["norm=gn4", "regime=bs1a16"], ["norm=none", "regime=bs16a1"]]
     finished = JobReturn(overrides=cells[2], status=JobStatus.COMPLETED, _return_value=0.97)

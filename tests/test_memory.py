@@ -9,7 +9,7 @@ from torch import nn
 
 from gaexp.memory import activation_bytes, peak_rss_bytes, reset_peak_rss
 from gaexp.model import SimpleModel
-from gaexp.norms import layer
+from gaexp.norms import norm_layer
 
 
 def test_activation_bytes_of_a_linear_layer_by_hand():
@@ -20,7 +20,7 @@ def test_activation_bytes_of_a_linear_layer_by_hand():
 
 
 def test_activation_memory_scales_with_the_micro_batch(train_split):
-    model = SimpleModel(layer("bn")).to(memory_format=torch.channels_last)
+    model = SimpleModel(norm_layer("bn")).to(memory_format=torch.channels_last)
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
     sizes = {b: activation_bytes(model, train_split.inputs(slice(0, b)), train_split.labels[:b]) for b in (1, 4, 16)}
     assert 450_000 < sizes[1] < 600_000  # about 0.5 MB of activations per image

@@ -13,29 +13,29 @@ import re
 import torch.nn.functional as F
 from torchvision.models.resnet import BasicBlock
 
-from gaexp.cell import check
+from gaexp.cell import validated
 from gaexp.model import make_model
 from gaexp.config import typed
 from gaexp.model import ResNet20, SimpleModel, load, norm_channels
 from gaexp.targets import TargetError
-from gaexp.norms import NORMS, check_channels, layer, norm2d
+from gaexp.norms import NORMS, check_channels, norm_layer
 
 
 def test_registry_keeps_the_study_defaults():
-    bn = norm2d("bn", 32)
+    bn = norm_layer("bn")(32)
     assert isinstance(bn, nn.BatchNorm2d) and bn.affine and bn.momentum == 0.1 and bn.track_running_stats
-    inorm = norm2d("in", 32)
+    inorm = norm_layer("in")(32)
     assert isinstance(inorm, nn.InstanceNorm2d) and not inorm.affine and not inorm.track_running_stats
-    assert norm2d("gn4", 64).num_groups == 4 and norm2d("gn16", 64).num_groups == 16
-    assert norm2d("gn4", 64).affine
-    assert isinstance(norm2d("none", 8), nn.Identity)
-    assert norm2d("gn", 64, groups=8).num_groups == 8
+    assert norm_layer("gn4")(64).num_groups == 4 and norm_layer("gn16")(64).num_groups == 16
+    assert norm_layer("gn4")(64).affine
+    assert isinstance(norm_layer("none")(8), nn.Identity)
+    assert norm_layer("gn", groups=8)(64).num_groups == 8
 
 
 def test_unknown_norm_lists_valid_names():
     with pytest.raises(ValueError, match=r"norm.name='layernorm'; valid: \['bn', 'bn_kmom', 'bn_microeval', "
                                          r"'bn_precise', 'bn_sync', 'brn', 'gn', 'gn16', 'gn4', 'in', 'in_affine', 'ln', 'none'\]"):
-        norm2d("layernorm", 32)
+        norm_layer("layernorm")(32)
 
 
 @pytest.mark.parametrize("model, channels, valid", [
@@ -51,14 +51,14 @@ def test_group_count_must_divide_every_norm_layer_of_the_model(model, channels, 
 
 
 def test_check_refuses_a_group_count_of_the_chosen_model_before_anything_runs(compose):
-    check(compose("model=simple", "norm=gn", "norm.groups=32"))
+    validated(compose("model=simple", "norm=gn", "norm.groups=32"))
     with pytest.raises(ValueError, match=r"norm.groups=32 does not divide the channels \[16, 32, 64\] of model=resnet20"):
-        check(compose("model=resnet20", "norm=gn", "norm.groups=32"))
+        validated(compose("model=resnet20", "norm=gn", "norm.groups=32"))
 
 
 def test_resnet20_is_he_et_als_with_a_norm_after_every_convolution():
     torch.manual_seed(0)
-    model = ResNet20(layer("bn"))
+    model = ResNet20(norm_layer("bn"))
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert len(convs) == len(bns) == 19 and not any(c.bias is not None for c in convs)
@@ -110,10 +110,10 @@ def user_models(tmp_path, monkeypatch):
 
 def test_a_users_model_loads_by_import_path(user_models, compose):
     assert load(f"{user_models}:build") is load(f"{user_models}.build")  # both spellings
-    c = check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=4"))
+    c = validated(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=4"))
     assert c.run_name == "custom-batched-gn-bs16a1-s1" and make_model(c, 1, 10)[1].num_groups == 4
     with pytest.raises(ValueError, match=r"norm.groups=3 does not divide the channels \[8\] of model=custom"):
-        check(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=3"))
+        validated(compose("model=custom", f"model.target={user_models}:build", "norm=gn", "norm.groups=3"))
 
 
 @pytest.mark.parametrize("target, message", [
@@ -130,7 +130,7 @@ def test_a_users_model_loads_by_import_path(user_models, compose):
 ])
 def test_a_bad_model_is_one_line_naming_what_was_expected(user_models, compose, target, message):
     with pytest.raises(TargetError, match=message) as info:
-        check(compose("model=custom", f"model.target={target}"))
+        validated(compose("model=custom", f"model.target={target}"))
     assert "\n" not in str(info.value)
 
 
@@ -168,7 +168,7 @@ def test_a_users_model_that_raises_is_one_line_naming_model_target_its_file_and_
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TargetError, match=rf"^model.target='{target}': {message}") as info:
-        check(compose("model=custom", f"model.target={target}", "norm=gn4"))
+        validated(compose("model=custom", f"model.target={target}", "norm=gn4"))
     assert "\n" not in str(info.value)
 
 
@@ -187,7 +187,7 @@ def test_the_gaexp_command_ends_on_a_broken_model_file_in_one_line(tmp_path, dat
 
 
 def test_simple_model_shapes_and_size():
-    model = SimpleModel(layer("bn"))
+    model = SimpleModel(norm_layer("bn"))
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
         (1, 32, (3, 3), (1, 1)), (32, 64, (3, 3), (1, 1)), (64, 128, (3, 3), (1, 1)), (128, 256, (3, 3), (1, 1))]
@@ -203,7 +203,7 @@ def test_every_norm_starts_from_the_same_weights(compose):
     def convs(norm):
         options = typed(compose(f"norm={norm}", "regime=bs1a16")).norm.options()  # the schema's defaults
         torch.manual_seed(7)
-        model = SimpleModel(layer(norm, **options))
+        model = SimpleModel(norm_layer(norm, **options))
         return [m.weight for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     reference = convs("bn")

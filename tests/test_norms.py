@@ -12,7 +12,7 @@ from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.model import SimpleModel
 from gaexp.layers import (BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, kmom,
                           precise_statistics)
-from gaexp.norms import NORMS, layer, norm2d
+from gaexp.norms import NORMS, norm_layer
 from gaexp.train import train
 
 BN_LIKE = dict(r_max=1.0, d_max=0.0, warmup_steps=0, ramp_steps=0)  # Batch Renorm with no correction: BatchNorm
@@ -128,7 +128,7 @@ def test_batch_renorm_warm_up_counts_optimizer_steps_not_micro_batches():
 def test_k_momentum_decays_like_one_update_per_optimizer_step():
     k = 16
     assert kmom(0.1, 1) == pytest.approx(0.1)
-    layer, reference = norm2d("bn_kmom", 2, num_accum=k, momentum=0.1), nn.BatchNorm2d(2)
+    layer, reference = norm_layer("bn_kmom", num_accum=k, momentum=0.1)(2), nn.BatchNorm2d(2)
     assert layer.momentum == pytest.approx(1 - 0.9 ** (1 / 16)) and layer.momentum == pytest.approx(0.006563, abs=1e-6)
     x = torch.full((1, 2, 3, 3), 5.0) + torch.arange(9.0).reshape(1, 1, 3, 3)
     for _ in range(k):
@@ -139,7 +139,7 @@ def test_k_momentum_decays_like_one_update_per_optimizer_step():
 
 
 def test_ln_and_in_affine():
-    ln, ina = norm2d("ln", 32), norm2d("in_affine", 32)
+    ln, ina = norm_layer("ln")(32), norm_layer("in_affine")(32)
     assert isinstance(ln, nn.GroupNorm) and ln.num_groups == 1 and ln.affine
     assert isinstance(ina, nn.InstanceNorm2d) and ina.affine and not ina.track_running_stats
 
@@ -148,7 +148,7 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
     """bn_precise, bn_microeval and bn_kmom differ from bn only in evaluation statistics: same weights after training."""
     def trained(norm, **options):
         torch.manual_seed(3)
-        model = SimpleModel(layer(norm, **options))
+        model = SimpleModel(norm_layer(norm, **options))
         history = train(model, train_split, small_valid, TrainConfig(num_iterations=6, eval_period=3), RegimeConfig(1, 4),
                         seed=3, hooks=NORMS[norm].hooks_for(model, train_split, seed=3))
         return model, history
@@ -166,7 +166,7 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
 
 def test_only_precise_bn_registers_a_hook(train_split):
     assert [name for name, norm in NORMS.items() if norm.hooks is not None] == ["bn_precise"]
-    assert NORMS["bn"].hooks_for(SimpleModel(layer("bn")), train_split, seed=1) == []
-    model = SimpleModel(layer("bn_precise", stats_batch_size=4, stats_samples=64))
+    assert NORMS["bn"].hooks_for(SimpleModel(norm_layer("bn")), train_split, seed=1) == []
+    model = SimpleModel(norm_layer("bn_precise", stats_batch_size=4, stats_samples=64))
     (hook,) = NORMS["bn_precise"].hooks_for(model, train_split, seed=1)
     assert isinstance(hook, PreciseStatistics) and (hook.batch_size, hook.samples) == (4, 64)

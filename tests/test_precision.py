@@ -17,7 +17,7 @@ from gaexp.batched import Chunking, accumulate_batched
 from gaexp.data.batches import micro_batches
 from gaexp.config import PrecisionConfig, precision_name
 from gaexp.model import SimpleModel
-from gaexp.norms import layer
+from gaexp.norms import norm_layer
 from gaexp.precision import Precision, as_precision, device_problem, precision_config, slow_note
 from gaexp.train import accumulate
 
@@ -30,7 +30,7 @@ def config(autocast="none", weights="fp32", accumulate_in="param", scaler=False)
 
 def cnn(norm: str = "gn4", dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(1)
-    return SimpleModel(layer(norm)).to(dtype=dtype, memory_format=torch.channels_last)
+    return SimpleModel(norm_layer(norm)).to(dtype=dtype, memory_format=torch.channels_last)
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:

@@ -39,9 +39,9 @@ def test_expected_seconds_orders_the_study_regimes_as_the_measured_grid():
 def test_a_data_parallel_cell_costs_the_cores_of_its_accumulation_twin():
     """w replicas of k micro-batches of b: the core-seconds of accumulation at (b, w*k), in the plan and the ETA."""
     params = {"train.num_iterations": "3600", "train.eval_period": "300"}
-    dp = progress.cell_seconds({"batch_size": "4", "num_accum": "2", "replicas": "2"}, params)
-    assert dp == progress.cell_seconds({"batch_size": "4", "num_accum": "4"}, params)  # a run before replicas: 1
-    assert dp > progress.cell_seconds({"batch_size": "4", "num_accum": "2", "replicas": "1"}, params)
+    dp = progress.run_seconds({"batch_size": "4", "num_accum": "2", "replicas": "2"}, params)
+    assert dp == progress.run_seconds({"batch_size": "4", "num_accum": "4"}, params)  # a run before replicas: 1
+    assert dp > progress.run_seconds({"batch_size": "4", "num_accum": "2", "replicas": "1"}, params)
 
 
 def test_a_precision_costs_its_measured_factor_on_a_cpu_and_float32s_elsewhere():
@@ -49,12 +49,12 @@ def test_a_precision_costs_its_measured_factor_on_a_cpu_and_float32s_elsewhere()
     CPU; a run recorded before precision was a choice (no tag) costs as fp32, and so does any cell on a GPU."""
     params = {"train.num_iterations": "3600", "train.eval_period": "300"}
     run = {"batch_size": "1", "num_accum": "16", "accumulate": "loop", "device": "cpu"}
-    fp32 = progress.cell_seconds(run, params)
-    assert fp32 == progress.cell_seconds({**run, "precision": "fp32"}, params)
+    fp32 = progress.run_seconds(run, params)
+    assert fp32 == progress.run_seconds({**run, "precision": "fp32"}, params)
     for name, factor in progress.PRECISION_COST.items():
-        here = progress.cell_seconds({**run, "precision": name}, params)
+        here = progress.run_seconds({**run, "precision": name}, params)
         assert here - progress.CELL_S == pytest.approx(factor * (fp32 - progress.CELL_S)), name
-        assert progress.cell_seconds({**run, "precision": name, "device": "cuda"}, params) == fp32
+        assert progress.run_seconds({**run, "precision": name, "device": "cuda"}, params) == fp32
     assert set(progress.PRECISION_COST) <= {p.stem for p in (Path(CONFIG_DIR) / "precision").glob("*.yaml")}
 
 
@@ -113,7 +113,7 @@ def test_snapshot_counts_every_state_and_the_work_done():
     line = progress.summary_line(s)
     assert line.startswith("5/8 cells: 1 finished, 2 failed, 1 killed, 1 skipped, 1 running, 1 starting, 1 waiting; "
                            "80% of the work")
-    assert line.endswith(f"elapsed 5m00s, ETA {progress.duration(s.eta_s)}")
+    assert line.endswith(f"elapsed 5m00s, ETA {tally.duration(s.eta_s)}")
 
 
 def test_the_work_left_counts_the_graphs_no_cell_has_compiled_yet():
@@ -269,7 +269,7 @@ def test_each_cell_is_credited_with_the_graphs_no_earlier_cell_compiled_and_its_
                                             ("in-bs1a16-s2", 1, 16, "train,eval", "h:1", 100),
                                             ("bn-bs1a16-s1", 1, 16, "eval", "h:2", 50)]:
         cell_run(client, experiment_id, name, "FINISHED", sweep_id=sweep, evals=((3600, 0.9),), b=b, k=k,
-                 elapsed=ago, tags={"compiled": compiled, tracking.HOST: host, "model": "simple", "dataset": "mnist"})
+                 elapsed=ago, tags={"compiled": compiled, runtags.HOST: host, "model": "simple", "dataset": "mnist"})
     _, cells = progress.read(client, experiment_id, sweep)
     assert [(c.name, c.new_graphs, c.fresh) for c in cells] == [
         ("in-bs1a16-s1", 1 + progress.TRAIN_GRAPH, 1),  # in's evaluation graph and its training graph at b=1
@@ -362,8 +362,8 @@ def test_live_prints_a_line_per_ended_cell_with_the_totals_and_beats_for_the_pla
     snap = live.poll()
     assert snap.counts["failed"] == 1 and snap.counts["waiting"] == 0
     assert out.getvalue().count("\n") == 2  # no cell ended since: nothing printed again
-    assert client.get_run(plan_id).data.tags[tracking.HEARTBEAT] == f"{plan.started + 5:.0f}"  # the sweep is alive
-    assert lines[0].endswith(f"elapsed 0m05s, ETA {progress.duration(one_waiting_cell_s())}")
+    assert client.get_run(plan_id).data.tags[runtags.HEARTBEAT] == f"{plan.started + 5:.0f}"  # the sweep is alive
+    assert lines[0].endswith(f"elapsed 0m05s, ETA {tally.duration(one_waiting_cell_s())}")
 
 
 def test_live_on_a_terminal_draws_one_bar_over_the_work(store, tmp_path, capsys):
@@ -379,7 +379,7 @@ def test_live_on_a_terminal_draws_one_bar_over_the_work(store, tmp_path, capsys)
     last = err.err.rstrip().split("\r")[-1]
     assert last.startswith(" 75% |")
     assert last.endswith("| 2/4 cells: 1 finished, 1 killed, 1 running, 1 starting; elapsed 0m00s, "
-                         f"ETA {progress.duration(one_waiting_cell_s())}")
+                         f"ETA {tally.duration(one_waiting_cell_s())}")
 
 
 def test_live_bar_of_a_resume_that_skipped_every_cell_is_full(store, tmp_path, capsys):

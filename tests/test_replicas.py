@@ -26,7 +26,7 @@ SAMPLES = 48  # images of real MNIST the steps draw from
 
 def make_model(norm: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return SimpleModel(norms.layer(norm)).double()
+    return SimpleModel(norms.norm_layer(norm)).double()
 
 
 def flat_grads(model: torch.nn.Module) -> torch.Tensor:

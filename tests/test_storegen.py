@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, compare, progress, tracking
 from gaexp.tools import storegen
+from gaexp import tags as runtags
 
 SWEEPS = 5
 
@@ -23,7 +24,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture
 def small_pages(monkeypatch):
-    monkeypatch.setattr(tracking, "PAGE_SIZE", 7)
+    monkeypatch.setattr(tracking.search, "PAGE_SIZE", 7)
 
 
 def test_the_generated_store_has_gaexps_schema_in_sweeps_of_60(store):
@@ -32,7 +33,7 @@ def test_the_generated_store_has_gaexps_schema_in_sweeps_of_60(store):
     assert len(runs) == 60  # by name: each sweep has the same 60 cells
     run = runs["bn-bs4a4-s1"]
     assert {"train.lr", "regime.batch_size", "norm.name", "data.dataset"} <= set(run.data.params)
-    assert run.data.tags["protocol_key"] and run.data.tags[tracking.SWEEPS] == run.data.tags["sweep_id"]
+    assert run.data.tags["protocol_key"] and run.data.tags[runtags.SWEEPS] == run.data.tags["sweep_id"]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "valid_acc")] == list(range(250, 3001, 250))
 
 
@@ -75,6 +76,6 @@ def test_curves_read_from_the_tags_equal_the_histories(store, monkeypatch):
     """A run's curves tags hold the floats its histories hold: the report is the same read either way."""
     client = MlflowClient(store)
     tagged = analysis.collect(client, "gaexp", storegen.sweep_id(1))
-    monkeypatch.setattr(analysis, "curves_of", lambda run: None)  # as for runs logged before the tags
+    monkeypatch.setattr(analysis.collection, "curves_of", lambda run: None)  # as for runs logged before the tags
     read = analysis.collect(client, "gaexp", storegen.sweep_id(1))
     assert tagged.data.equals(read.data) and len(read.data) == 60 * storegen.EVALS

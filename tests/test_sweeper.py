@@ -237,7 +237,7 @@ def study_with_trials(tmp_path, sweep_id="2026-12-02_10-00-00"):
     study = optuna.create_study(study_name="t", storage=storage, direction="maximize")
     def trial(state, value=None, sweep=sweep_id, step=None):
         t = study.ask({"x": FloatDistribution(0.0, 1.0)})
-        t.set_user_attr(sweeper.progress.SWEEP, sweep)
+        t.set_user_attr(sweeper.tally.SWEEP, sweep)
         if step is not None:
             t.report(0.1, step)
         if state is not None:
@@ -249,33 +249,33 @@ def study_with_trials(tmp_path, sweep_id="2026-12-02_10-00-00"):
     trial(TrialState.COMPLETE, 0.99, sweep="another")
     trial(None)  # running
     plan = {"studies": ["t"], "trials": [8], "n_jobs": 2, "direction": "maximize", "started": time.time() - 60}
-    study.set_user_attr(sweeper.progress.PLAN + sweep_id, plan)
+    study.set_user_attr(sweeper.tally.PLAN + sweep_id, plan)
     return storage, study, plan
 
 
 def test_a_sweeps_tally_counts_its_own_trials_by_state_with_its_best(tmp_path):
     storage, _, _ = study_with_trials(tmp_path)
-    t = sweeper.progress.sweep_tally(storage, "t", "2026-12-02_10-00-00")
+    t = sweeper.tally.sweep_tally(storage, "t", "2026-12-02_10-00-00")
     assert t.counts == {"complete": 2, "pruned": 1, "failed": 1, "running": 1, "waiting": 3}
     assert t.studies[0].best == (1, 0.95)  # not the other sweep's 0.99
-    line = sweeper.progress.summary_line(t)
+    line = sweeper.tally.summary_line(t)
     assert line.startswith("4/8 trials: 2 complete, 1 pruned, 1 failed, 1 running, 3 waiting; best 0.9500 (trial 1); "
                            "elapsed 1m0")
-    assert sweeper.progress.sweep_tally(storage, "t", "no-such-sweep") is None  # it recorded no plan
+    assert sweeper.tally.sweep_tally(storage, "t", "no-such-sweep") is None  # it recorded no plan
 
 
 def test_the_eta_is_the_running_batchs_rest_and_a_mean_trial_per_batch_to_come():
-    one = sweeper.progress.StudyTally("a", 10, {"complete": 3, "pruned": 1, "failed": 0, "running": 2, "waiting": 4},
+    one = sweeper.tally.StudyTally("a", 10, {"complete": 3, "pruned": 1, "failed": 0, "running": 2, "waiting": 4},
                                       (2, 0.9), [30.0, 30.0, 50.0, 10.0])
-    t = sweeper.progress.tally([one], n_jobs=2, started=0, now=130, running_since=120)
+    t = sweeper.tally.tally([one], n_jobs=2, started=0, now=130, running_since=120)
     assert t.eta_s == pytest.approx((30 - 10) + 2 * 30)  # mean 30 s: 20 s left of this batch, 2 batches of 2
-    assert sweeper.progress.tally([dataclasses.replace(one, durations=[])], 2, 0, 130, 120).eta_s is None
+    assert sweeper.tally.tally([dataclasses.replace(one, durations=[])], 2, 0, 130, 120).eta_s is None
 
 
 def test_progress_prints_a_line_per_ended_trial_with_the_totals_once_each(tmp_path):
     storage, study, plan = study_with_trials(tmp_path)
     out = io.StringIO()
-    live = sweeper.progress.Live(storage, plan, "2026-12-02_10-00-00", every=60, bar=False, out=out)
+    live = sweeper.tally.Live(storage, plan, "2026-12-02_10-00-00", every=60, bar=False, out=out)
     live.poll()
     live.poll()  # nothing ended since: nothing printed again
     lines = out.getvalue().splitlines()
@@ -413,7 +413,7 @@ def test_the_search_file_names_its_sweeper_and_a_trials_rerun_composes_with_the_
         "tune_lr", "bn,in,gn4", "maximize")
     assert OmegaConf.to_container(cfg.hydra.sweeper.repeats) == {"seed": [1, 2]}
     assert (cfg.hydra.sweeper.sampler.n_startup_trials, cfg.hydra.sweeper.n_trials) == (8, 16)
-    assert cell.check(job_config(cfg)).accumulate == "batched"
+    assert cell.validated(job_config(cfg)).accumulate == "batched"
     assert compose(hydra=True).hydra.sweeper._target_.endswith("GridSweeper")
     rerun = compose("+experiment=tune_lr", "norm=bn", "train.lr=0.002", "seed=3", "data.holdout=0",
                     "hydra/sweeper=gaexp_grid", hydra=True)

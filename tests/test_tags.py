@@ -37,7 +37,11 @@ def literal_names(tree: ast.AST) -> list[tuple[int, str]]:
     `tags.name`, a literal key read from a run's tags or metrics or written by set_tag/log_metric, a literal key of
     a dict given as `tags=`."""
     found = []
+    exported = {id(c) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets) for c in ast.walk(n.value)}
     for node in ast.walk(tree):
+        if id(node) in exported:  # a package's __all__ names its functions (protocol_key), no tag
+            continue
         text = _text(node) if isinstance(node, ast.Constant) else None
         if text is not None:
             if text in COMPOUND:

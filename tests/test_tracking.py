@@ -24,8 +24,9 @@ MD5 = data_config("mnist").files
 from gaexp.hooks import EvalPoint
 from gaexp.model import SimpleModel
 from gaexp.layers import MicroBatchEvalBatchNorm2d
-from gaexp.norms import layer
+from gaexp.norms import norm_layer
 from gaexp.train import evaluate, train
+from gaexp import tags as runtags
 
 
 @pytest.fixture
@@ -103,15 +104,15 @@ def test_stale_running_runs_are_marked_killed(store):
     now = float(int(time.time()))  # whole seconds, as heartbeats are stored: the ages below are exact
     here, me = socket.gethostname(), os.getpid()
     with tracking.tracked_run(client, experiment_id, "alive", {}) as alive:
-        assert client.get_run(alive).data.tags[tracking.PROCESS_START] == liveness.process_start(me)
+        assert client.get_run(alive).data.tags[runtags.PROCESS_START] == liveness.process_start(me)
         reused = client.create_run(experiment_id, run_name="reused", tags={
-            tracking.HOST: f"{here}:{me}", tracking.PROCESS_START: "1", tracking.HEARTBEAT: f"{now:.0f}"})
+            runtags.HOST: f"{here}:{me}", runtags.PROCESS_START: "1", runtags.HEARTBEAT: f"{now:.0f}"})
         older = client.create_run(experiment_id, run_name="older", tags={  # recorded before the start time was
-            tracking.HOST: f"{here}:{me}", tracking.HEARTBEAT: f"{now:.0f}"})
-        silent = client.create_run(experiment_id, run_name="silent", tags={tracking.HOST: "elsewhere:1",
-                                                                            tracking.HEARTBEAT: f"{now - 7200:.0f}"})
-        recent = client.create_run(experiment_id, run_name="recent", tags={tracking.HOST: "elsewhere:2",
-                                                                            tracking.HEARTBEAT: f"{now - 3599:.0f}"})
+            runtags.HOST: f"{here}:{me}", runtags.HEARTBEAT: f"{now:.0f}"})
+        silent = client.create_run(experiment_id, run_name="silent", tags={runtags.HOST: "elsewhere:1",
+                                                                            runtags.HEARTBEAT: f"{now - 7200:.0f}"})
+        recent = client.create_run(experiment_id, run_name="recent", tags={runtags.HOST: "elsewhere:2",
+                                                                            runtags.HEARTBEAT: f"{now - 3599:.0f}"})
         marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600, now=now)
         assert sorted(marked) == [f"reused (process {me} on {here} is gone)", "silent (no heartbeat for 7200 s)"]
         assert client.get_run(alive).info.status == "RUNNING"  # this very process: alive
@@ -145,7 +146,7 @@ def test_runs_of_ended_slurm_jobs_are_marked_killed(store, monkeypatch):
     fake_sacct(tmp_path, monkeypatch, {"41_0": "CANCELLED by 0", "41_1": "RUNNING", "42": "TIMEOUT"})
     now = float(int(time.time()))
     runs = {job: client.create_run(experiment_id, run_name=f"job-{job}", tags={
-        tracking.HOST: "node7:123", tracking.HEARTBEAT: f"{now:.0f}", tracking.SLURM_JOB: job}).info.run_id
+        runtags.HOST: "node7:123", runtags.HEARTBEAT: f"{now:.0f}", runtags.SLURM_JOB: job}).info.run_id
         for job in ("41_0", "41_1", "42", "43")}  # 43: unknown to accounting (too old, or another cluster)
     marked = tracking.mark_stale_runs(client, experiment_id, stale_after_s=3600, now=now)
     assert sorted(marked) == ["job-41_0 (SLURM job 41_0 ended CANCELLED)", "job-42 (SLURM job 42 ended TIMEOUT)"]
@@ -167,13 +168,13 @@ def test_a_run_in_a_slurm_job_is_tagged_with_it(store, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     with tracking.tracked_run(client, experiment_id, "in-a-job", {}) as in_job:
         pass
-    assert tracking.SLURM_JOB not in client.get_run(here).data.tags
-    assert client.get_run(in_job).data.tags[tracking.SLURM_JOB] == "77"
+    assert runtags.SLURM_JOB not in client.get_run(here).data.tags
+    assert client.get_run(in_job).data.tags[runtags.SLURM_JOB] == "77"
 
 
 def test_a_resumed_sweep_claims_the_runs_it_skipped(store):
     client, experiment_id, _ = store
-    with tracking.tracked_run(client, experiment_id, "r", {"sweep_id": "s1", tracking.SWEEPS: "s1"}) as run_id:
+    with tracking.tracked_run(client, experiment_id, "r", {"sweep_id": "s1", runtags.SWEEPS: "s1"}) as run_id:
         pass
     tracking.add_to_sweep(client, client.get_run(run_id), "s2")
     tracking.add_to_sweep(client, client.get_run(run_id), "s2")
@@ -234,7 +235,7 @@ def batch_statistics(model: torch.nn.Module, micro_batch: int) -> torch.nn.Modul
 def trained_bn(train_split, small_valid):
     """The study's model (bn, channels_last as app.build makes it) after 40 steps of 16 images, and its history."""
     torch.manual_seed(1)
-    model = SimpleModel(layer("bn")).to("cpu", memory_format=torch.channels_last)
+    model = SimpleModel(norm_layer("bn")).to("cpu", memory_format=torch.channels_last)
     history = train(model, train_split, small_valid, TrainConfig(num_iterations=40, eval_period=20), RegimeConfig(16, 1),
                     seed=1)
     return model, history

@@ -11,7 +11,7 @@ from gaexp.data.batches import Split, micro_batch_indices, micro_batches
 from gaexp.config import RegimeConfig, TrainConfig
 from gaexp.hooks import DivergedError, DivergenceCheck, EvalPoint, Hook, Progress
 from gaexp.model import ResNet20, SimpleModel
-from gaexp.norms import layer
+from gaexp.norms import norm_layer
 from gaexp import train as train_module
 from gaexp.train import accumulate, compile_phases, evaluate, resolve_device, train
 from tests.conftest import Float64
@@ -25,7 +25,7 @@ IN_FLOAT64 = {"resnet20"}
 
 def model_for(norm: str, seed: int = 1, model: str = "simple", **options: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    built = MODELS[model](layer(norm, **options)).to(memory_format=torch.channels_last)
+    built = MODELS[model](norm_layer(norm, **options)).to(memory_format=torch.channels_last)
     return Float64(built) if model in IN_FLOAT64 else built
 
 

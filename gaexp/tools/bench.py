@@ -40,7 +40,7 @@ from gaexp.data.catalog import DataError, data_config, names
 from gaexp.data.dataset import fetch, open_dataset, splits
 from gaexp.data.idx import torchvision_class
 from gaexp.model import load
-from gaexp.norms import NORMS, norm2d
+from gaexp.norms import NORMS, norm_layer
 from gaexp.study import study
 from gaexp.train import compile_phases, evaluate, resolve_device, step_function
 
@@ -61,7 +61,7 @@ def models() -> list[str]:
 def build(model: str, norm: str, in_channels: int, num_classes: int) -> torch.nn.Module:
     """conf/model/<model>.yaml's network with `norm`, as a cell builds it for the dataset's channels and classes."""
     target = OmegaConf.load(Path(CONFIG_DIR) / "model" / f"{model}.yaml").target
-    return load(target)(norm_layer=partial(norm2d, norm), in_channels=in_channels, num_classes=num_classes)
+    return load(target)(norm_layer=norm_layer(norm), in_channels=in_channels, num_classes=num_classes)
 
 
 def _built(data: Split, model: str, norm: str) -> torch.nn.Module:
@@ -178,7 +178,7 @@ def interleaved(repeats: int, sides: dict[str, Measure]) -> dict[str, tuple[floa
     return {name: (statistics.median(r for r, _ in v), statistics.median(o for _, o in v)) for name, v in runs.items()}
 
 
-def cell_seconds(b: int, k: int, train_rate: float, eval_rate: float, overhead: float) -> float:
+def full_cell_seconds(b: int, k: int, train_rate: float, eval_rate: float, overhead: float) -> float:
     """One cell at the full protocol: its training, its evaluations and its compile overhead."""
     return STUDY.steps * b * k / train_rate + STUDY.evaluations * STUDY.valid_images / eval_rate + overhead
 
@@ -187,7 +187,7 @@ def norm_grid_seconds(rates: dict[str, tuple[float, float]], jobs: int) -> float
     """Wall seconds of one norm's cells (the study's regimes x seeds) at `jobs` cells at once, from its
     (rate, first-call overhead) per regime and for "eval"."""
     eval_rate, eval_overhead = rates["eval"]
-    return len(STUDY.seeds) * sum(cell_seconds(b, k, rates[r][0], eval_rate, rates[r][1] + eval_overhead)
+    return len(STUDY.seeds) * sum(full_cell_seconds(b, k, rates[r][0], eval_rate, rates[r][1] + eval_overhead)
                                   for r, (b, k) in STUDY.shapes.items()) / jobs
 
 

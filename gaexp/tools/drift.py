@@ -41,8 +41,8 @@ import torch
 
 from gaexp.tools import bench
 from gaexp.data.batches import Split, micro_batch_indices, micro_batches
-from gaexp.cli import positive_ints
-from gaexp.check import PrecisionDrift, dtype_name, precision_drift, summed_in
+from gaexp.arguments import positive_ints
+from gaexp.check.numerics import PrecisionDrift, dtype_name, precision_drift, summed_in
 from gaexp.config import DEVICES, FP32, PrecisionConfig
 from gaexp.data.catalog import DataError, data_config
 from gaexp.data.dataset import open_dataset

@@ -21,7 +21,8 @@ from typing import Sequence
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from gaexp import cli, progress
+from gaexp import arguments, progress
+from hydra_plugins.gaexp_optuna_sweeper.tally import duration
 from gaexp.redact import mask
 from gaexp.tags import in_sweep
 
@@ -46,7 +47,7 @@ def cells_at(runs: Sequence[Run], t_ms: int, sweep_id: str) -> list[progress.Cel
         ended = run.info.end_time is not None and run.info.end_time <= t_ms
         status = ("SKIPPED" if in_sweep(tags) != sweep_id else run.info.status) if ended else "RUNNING"
         end = run.info.end_time if ended else t_ms
-        cells.append(progress.Cell(run.info.run_name, status, progress.cell_seconds(tags, params),
+        cells.append(progress.Cell(run.info.run_name, status, progress.run_seconds(tags, params),
                                    (end - run.info.start_time) / 1000, new_graphs=graphs, fresh=fresh))
     return cells
 
@@ -55,7 +56,7 @@ def replay(plan_run: Run, runs: Sequence[Run]) -> list[Moment]:
     """The ETA the accounting gives at each cell's end, beside the truth."""
     recorded = progress.plan_of(plan_run)  # its cells and cells at once; the work as the sweeper costs it now
     sweep_id = in_sweep(plan_run.data.tags)
-    costs = [(progress.cell_seconds(run.data.tags, run.data.params), graphs)  # by start: the launch order
+    costs = [(progress.run_seconds(run.data.tags, run.data.params), graphs)  # by start: the launch order
              for run, graphs, _ in progress.firsts(runs, sweep_id)]
     graphs = progress.graph_units(frozenset().union(*(progress.run_graphs(r.data.tags) for r in runs)))
     work = sum(e for e, _ in costs) + graphs * progress.GRAPH_S
@@ -75,14 +76,14 @@ def replay(plan_run: Run, runs: Sequence[Run]) -> list[Moment]:
 def table(moments: Sequence[Moment], floor_s: float, poll_s: float = 10.0) -> str:
     lines = ["| cell ended | at | ETA | truth | error |", "|---|---|---|---|---|"]
     for m in moments:
-        lines.append(f"| {m.cell} | {progress.duration(m.at_s)} | {progress.duration(m.eta_s)} | "
-                     f"{progress.duration(m.truth_s)} | {100 * m.error:+.0f}% |")
+        lines.append(f"| {m.cell} | {duration(m.at_s)} | {duration(m.eta_s)} | "
+                     f"{duration(m.truth_s)} | {100 * m.error:+.0f}% |")
     counted = [m for m in moments if m.truth_s > floor_s]
     worst = max(counted, key=lambda m: abs(m.error)) if counted else None
     if worst is not None:
         close = sum(abs(m.error) <= 0.25 or abs(m.eta_s - m.truth_s) <= poll_s for m in counted)
         lines.append(f"\nlargest error with more than {floor_s:.0f} s left: {100 * worst.error:+.0f}% "
-                     f"(at {progress.duration(worst.at_s)}, after {worst.cell}); "
+                     f"(at {duration(worst.at_s)}, after {worst.cell}); "
                      f"{sum(abs(m.error) <= 0.25 for m in counted)}/{len(counted)} within 25%, "
                      f"{close}/{len(counted)} within 25% or {poll_s:.0f} s (a poll)")
     return "\n".join(lines)
@@ -90,12 +91,12 @@ def table(moments: Sequence[Moment], floor_s: float, poll_s: float = 10.0) -> st
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gaexp.tools.eta_replay", description=__doc__.splitlines()[0])
-    cli.add_store_arguments(parser, required=True, sweep_help="sweep id (none: the newest sweep with a plan run)")
+    arguments.add_store_arguments(parser, required=True, sweep_help="sweep id (none: the newest sweep with a plan run)")
     parser.add_argument("--floor-s", type=float, default=5.0,
                         help="leave out moments with fewer seconds left from the summary (default: %(default)s)")
     args = parser.parse_args(argv)
-    cli.require_store(args.tracking_uri)
-    with cli.store_errors(args.tracking_uri):
+    arguments.require_store(args.tracking_uri)
+    with arguments.store_errors(args.tracking_uri):
         client = MlflowClient(args.tracking_uri)
         experiment = client.get_experiment_by_name(args.experiment)
         if experiment is None:
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             plan_run, runs = progress.sweep_runs(client, experiment.experiment_id, sweep_id)
             if plan_run is None or plan_run.info.end_time is None:
                 sys.exit(f"error: sweep {sweep_id!r} has no ended plan run; valid: a sweep of the gaexp sweeper that ended")
-            print(f"sweep {sweep_id}: {len(runs)} cells, {progress.duration((plan_run.info.end_time - plan_run.info.start_time) / 1000)}")
+            print(f"sweep {sweep_id}: {len(runs)} cells, {duration((plan_run.info.end_time - plan_run.info.start_time) / 1000)}")
             print(table(replay(plan_run, runs), args.floor_s))
 
 

@@ -160,7 +160,7 @@ def memory(work: Path, device: str, summary: Summary) -> None:
 
 
 def check_on(device: str, data_root: str, summary: Summary) -> None:
-    done = subprocess.run([sys.executable, "-m", "gaexp.check_cli", "model=simple", "norm=gn4", "--data", "mnist",
+    done = subprocess.run([sys.executable, "-m", "gaexp.check", "model=simple", "norm=gn4", "--data", "mnist",
                            "--data-root", data_root, "--device", device, "--json"], capture_output=True, text=True,
                           timeout=600)
     try:

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from gaexp import cli, redact, tracking
+from gaexp import arguments, redact, tracking
 
 WORKFLOW = "machine_learning"  # the UI's value for model training: runs, models, metrics
 STORE_FORM = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
@@ -85,7 +85,7 @@ def ui_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m gaexp.tools.ui", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", default=cli.default_store(), help=f"{STORE_FORM} (default: %(default)s)")
+    parser.add_argument("--store", default=arguments.default_store(), help=f"{STORE_FORM} (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address the UI listens on (default: %(default)s)")
     parser.add_argument("--port", default="5000", help="port the UI listens on (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -104,8 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         port = parse_port(args.port)
         store_path(args.store)
-        cli.require_store(args.store)
-        with cli.store_errors(args.store):
+        arguments.require_store(args.store)
+        with arguments.store_errors(args.store):
             experiments = tag_experiments(args.store)
     except ValueError as e:
         sys.exit(f"error: {e}")

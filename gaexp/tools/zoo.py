@@ -71,7 +71,7 @@ def check_one(name: str, seeds: Sequence[int], sizes: Sequence[int]) -> dict[str
     import torch
     import torchvision.models
 
-    from gaexp.check_cli import run
+    from gaexp.check.cli import run
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(name)
@@ -175,7 +175,7 @@ def run_model(name: str, seeds: Sequence[int], sizes: Sequence[int], timeout: fl
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    from gaexp.cli import positive_ints
+    from gaexp.arguments import positive_ints
 
     return positive_ints(text, "square sizes, smallest first, e.g. 32,64,224")
 

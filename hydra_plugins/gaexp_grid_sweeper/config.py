@@ -13,7 +13,7 @@ class GaexpGridSweeperConf:
     _target_: str = "hydra_plugins.gaexp_grid_sweeper.sweeper.GridSweeper"
     max_batch_size: Optional[int] = None  # cells per launch (null: all at once, for the launcher to pace)
     params: Optional[Dict[str, str]] = None  # swept keys, as on the command line: {norm: "bn,in"}
-    order: str = "longest_first"  # longest_first: by expected work (gaexp/progress.py); given: the product's order
+    order: str = "longest_first"  # longest_first: by expected work (gaexp/progress/); given: the product's order
     progress: Optional[bool] = None  # null: a bar on a terminal, a line per ended cell otherwise; false: neither
     poll_s: float = 10.0  # how often the progress reads the tracking store (a read costs ~60 ms of CPU on SQLite)
 

@@ -2,7 +2,7 @@
 
 - Longest cells first: launchers start cells in the order given, so a long cell started last keeps one
   core busy while the others idle. Each cell's config is composed (as Hydra's own check does anyway) and
-  its expected work computed (gaexp/progress.py); the cells run longest first, ties in the given order.
+  its expected work computed (gaexp/progress/); the cells run longest first, ties in the given order.
 - Progress: the plan is recorded as an MLflow run `sweep-<id>`, and while the launcher runs, the
   launching terminal shows the cells by state and an ETA, read from the tracking store (any launcher).
 
@@ -43,7 +43,7 @@ def uncompleted(error: Exception) -> str:
 
 
 def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[str, ...]]]:
-    """A cell's expected work and the graphs it compiles (gaexp/progress.py), from its own composed config and
+    """A cell's expected work and the graphs it compiles (gaexp/progress/), from its own composed config and
     the engine its checks chose (`accumulate`: loop or batched, accumulate=auto resolved)."""
     from gaexp import progress  # gaexp (torch, MLflow) loads when a sweep runs, not at Hydra's plugin scan
     from gaexp.train import planned_phases
@@ -60,14 +60,14 @@ def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[st
 
 
 def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> str:
-    """Every check the cell's job would make before training (gaexp.cell.check), here, before anything of the
+    """Every check the cell's job would make before training (gaexp.cell.validated), here, before anything of the
     sweep is recorded; a bad value in a swept axis ends the command with one line naming the cell. Returns the
     engine the cell will train with (accumulate=auto resolved)."""
-    from gaexp.cell import check  # the cell's own checks; gaexp loads when a sweep runs
+    from gaexp.cell import validated  # the cell's own checks; gaexp loads when a sweep runs
     from gaexp.config import job_config
 
     try:
-        return check(job_config(cfg)).accumulate
+        return validated(job_config(cfg)).accumulate
     except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
         raise SystemExit(f"error: cell {' '.join(overrides)}: {e}") from None
 
@@ -100,6 +100,7 @@ class GridSweeper(BasicSweeper):
 
     def sweep(self, arguments: List[str]) -> Any:
         from gaexp import progress
+        from hydra_plugins.gaexp_optuna_sweeper.tally import duration
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         (cells,) = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)
@@ -131,7 +132,7 @@ class GridSweeper(BasicSweeper):
                              at_once if at_once and at_once > 0 else None, graphs=units, costs=tuple(zip(costs, new)))
         log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
                  self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
-                 progress.duration(plan.expected_s))
+                 duration(plan.expected_s))
         with self.resumable(sweep_dir.name, len(cells)), self.tracked(plan, sweep_dir):
             returns, job_idx = [], 0
             while not self.is_done():

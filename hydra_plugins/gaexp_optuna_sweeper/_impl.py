@@ -39,7 +39,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
 from optuna.trial import TrialState
 
-from hydra_plugins.gaexp_optuna_sweeper import tally as progress
+from hydra_plugins.gaexp_optuna_sweeper import tally
 from hydra_plugins.gaexp_optuna_sweeper.config import (DIRECTIONS, HEARTBEAT, PROTOCOL, PRUNER, REPEATS, RESULTS,
                                                        SweeperError, storage_problem)
 from hydra_plugins.gaexp_optuna_sweeper.trials import make, make_pruner, open_storage
@@ -399,9 +399,9 @@ class OptunaSweeperImpl:
         plan = {"studies": [s.study_name for s in studies], "trials": [self.to_run(s, space, self.n_trials) for s in studies],
                 "n_jobs": self.n_jobs, "direction": self.direction, "started": time.time()}
         for study in studies:  # where progress (and gaexp-status) reads what this command runs
-            study.set_user_attr(progress.PLAN + self.sweep_dir.name, plan)
+            study.set_user_attr(tally.PLAN + self.sweep_dir.name, plan)
         results = {}
-        with progress.Live(self.backend, plan, self.sweep_dir.name, self.poll_s, self.show) if self.show is not False \
+        with tally.Live(self.backend, plan, self.sweep_dir.name, self.poll_s, self.show) if self.show is not False \
                 else contextlib.nullcontext():
             try:
                 for cell, study, to_go in zip(cells, studies, plan["trials"]):
@@ -414,7 +414,7 @@ class OptunaSweeperImpl:
             finally:  # its end, for the last poll and gaexp-status
                 plan["ended"] = time.time()
                 for study in studies:
-                    study.set_user_attr(progress.PLAN + self.sweep_dir.name, plan)
+                    study.set_user_attr(tally.PLAN + self.sweep_dir.name, plan)
         from gaexp.redact import mask  # the app's mask, loaded where a search ends
 
         OmegaConf.save(OmegaConf.create({"storage": mask(self.storage), "direction": self.direction,
@@ -475,7 +475,7 @@ class OptunaSweeperImpl:
             while to_go > 0:
                 trials = [study.ask(space) for _ in range(min(self.n_jobs, to_go))]
                 for trial in trials:
-                    trial.set_user_attr(progress.SWEEP, self.sweep_dir.name)
+                    trial.set_user_attr(tally.SWEEP, self.sweep_dir.name)
                     heart.add(trial._trial_id)
                 try:
                     returns = self.launch([self.overrides(study, trial, cell, fixed, i, repeats)

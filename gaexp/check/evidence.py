@@ -1,0 +1,29 @@
+"""What gaexp's own study measured for BatchNorm at micro-batch 1 x 16 accumulation steps, which the remedies cite
+(docs/results.md, "The remedies": the study's CNN on MNIST, full protocol, mean valid accuracy over 3 seeds, and the
+paired difference to the true batch of 16, bn/bs16a1, with its 95% t-interval and its verdict at ±0.5 points).
+These are figures, not logic: tests/test_check.py holds them to that table, and what each remedy changes is its
+norm's declaration (gaexp/norms.py: `remedy`, and `in_your_model` for a model of one's own).
+"""
+
+from __future__ import annotations
+
+
+# What gaexp's own study measured for BatchNorm at micro-batch 1 x 16 accumulation steps (docs/results.md,
+# "The remedies": the study's CNN on MNIST, full protocol, mean valid accuracy over 3 seeds, and the paired
+# difference to the true batch of 16, bn/bs16a1, with its 95% t-interval and its verdict at ±0.5 points).
+# tests/test_check.py holds these figures to that table.
+BN_ACCUMULATED = ("bn", 88.70, "-8.94 [-16.05, -1.83]", "worse")
+
+
+# What each changes is its norm's declaration (gaexp/norms.py: `remedy`, and `in_your_model` for a model of
+# one's own, where gaexp's norm= choices do not apply).
+BN_REMEDIES = (  # (norm= choice, accuracy %, points against the true batch, verdict), best first
+    ("bn_microeval", 98.41, "+0.77 [+0.64, +0.90]", "better"),
+    ("in", 98.47, "+0.83 [+0.52, +1.15]", "better"),
+    ("brn", 97.55, "-0.10 [-0.74, +0.55]", "inconclusive (4 seeds)"),
+    ("gn16", 97.31, "-0.33 [-1.21, +0.56]", "inconclusive (7 seeds)"),
+    ("bn_precise", 90.65, "-6.99 [-10.83, -3.16]", "worse"),
+)
+
+
+STUDY_GROUPS = 16  # the GroupNorm remedy's group count as measured (gn16); fewer where 16 does not divide C
