@@ -1,7 +1,7 @@
-"""`python -m gaexp.check_cli`, the name gaexp-check's module was first announced by: it runs `python -m gaexp.check`
-(gaexp/check/cli.py), with the same arguments."""
+"""`python -m gaexp.check_cli` and the `gaexp-check` script of an install made before the check had a folder of
+its own: the names first announced. The command is gaexp/check/cli.py (`python -m gaexp.check`)."""
 
-import runpy
+from gaexp.check.cli import main
 
 if __name__ == "__main__":
-    runpy.run_module("gaexp.check.cli", run_name="__main__", alter_sys=True)
+    main()

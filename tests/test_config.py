@@ -323,7 +323,7 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
               "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
-              "data.custom", "data.dataset", "data.__main__", "precision", "hooks", "liveness", "trial", "layers",
+              "data.custom", "data.dataset", "data", "data.__main__", "precision", "hooks", "liveness", "trial", "layers",
               "norms", "model", "memory", "batched", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
               "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo",
@@ -405,7 +405,7 @@ def test_a_commands_first_name_runs_it(name, module):
     """`python -m gaexp.NAME` runs the module it moved to (gaexp/tools/NAME.py, gaexp/check/cli.py) with its
     arguments, as `python -m gaexp.tools.NAME` (or gaexp-check) does."""
     tree = ast.parse((REPO / "gaexp" / f"{name}.py").read_text())
-    assert imported_modules(tree, LAYERS) == set(), "a first name imports nothing of gaexp: the tool runs by its name"
+    assert imported_modules(tree, LAYERS) <= {f"gaexp.{module}"}, "a first name imports at most the module it runs"
     done = subprocess.run([sys.executable, "-m", f"gaexp.{name}", "--help"], capture_output=True, text=True, timeout=300)
     prog = "gaexp-check" if module == "check.cli" else f"python -m gaexp.{module}"
     assert done.returncode == 0 and done.stdout.startswith(f"usage: {prog} "), done.stderr[-2000:]

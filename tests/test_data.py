@@ -291,3 +291,13 @@ def test_the_real_fashion_mnist(fashion_root):
     assert train.targets[:5].tolist() == [9, 0, 0, 3, 0]
     assert torch.bincount(train.targets).tolist() == [6000] * 10
     assert torch.bincount(test.targets).tolist() == [1000] * 10
+
+
+def test_the_package_names_what_a_script_of_ones_own_uses():
+    """`from gaexp.data import data_config, open_dataset, ...` as before the wing: the package names each public
+    name of its modules that a script uses, the very objects its modules declare."""
+    import gaexp.data as package
+    from gaexp.data import dataset as interface
+    assert package.data_config is catalog.data_config and package.raw_dir is idx_files.raw_dir
+    assert package.open_dataset is interface.open_dataset and package.Split is batches.Split
+    assert sorted(package.__all__) == sorted(name for name in package.__all__ if hasattr(package, name))

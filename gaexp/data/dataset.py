@@ -22,7 +22,10 @@ from typing import Optional, Sequence
 import torch
 
 from gaexp.config import DataConfig, require
-from gaexp.data import custom, folder, idx, torchvision_sets
+import gaexp.data.custom as custom
+import gaexp.data.folder as folder
+import gaexp.data.idx as idx
+import gaexp.data.torchvision_sets as torchvision_sets
 from gaexp.data.batches import Split, holdout_split
 from gaexp.data.catalog import Arrays, DataError
 from gaexp.data.limits import check_memory, memory_limit
