@@ -459,3 +459,13 @@ def test_the_example_that_reloads_a_model_runs_on_a_trained_cell(tmp_path, gaexp
     run, = [r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id]) if "norm" in r.data.tags]
     assert float(lines["running averages"]) == run.data.metrics["final_valid_acc"]
     assert 0.0 <= float(lines["micro-batch statistics"]) <= 1.0
+
+
+def test_the_layout_names_every_module():
+    """docs/development.md's layout follows the house: every module of gaexp/ is named there, in its wing."""
+    text = (REPO / "docs" / "development.md").read_text()
+    layout = text[text.index("## Layout"):text.index("## The data flow")]
+    modules = sorted(p.relative_to(REPO) for p in (REPO / "gaexp").rglob("*.py") if p.stem != "__init__")
+    missing = [str(m) for m in modules if not re.search(rf"\b{re.escape(m.stem)}\b", layout)
+               or (len(m.parts) > 2 and f"gaexp/{m.parts[1]}/" not in layout)]
+    assert not missing, f"docs/development.md's layout does not name {missing}"
