@@ -105,7 +105,8 @@ def cli(argv: Sequence[str] | None = None) -> None:
 
 def torchrun_problem(args: Sequence[str], overrides: Sequence[str]) -> str | None:
     """Under torchrun, each process one replica of one cell: a sweep (every process would run all of it) or a
-    cell of another replica count than torchrun's processes refused in one line, by every process."""
+    cell of another replica count than torchrun's processes refused in one line, by every process that gets there
+    before torchrun stops the others (it does when the first exits)."""
     if {"-m", "--multirun"} & set(args):
         return ("gaexp -m under torchrun: each of its processes would run the whole sweep; valid: one cell per "
                 "torchrun command (torchrun --nproc-per-node 2 -m gaexp regime=w2b8a1), or a sweep whose DP cells "

@@ -194,13 +194,19 @@ def test_under_torchrun_a_replicas_error_is_named_in_the_cells_run(gaexp_argv, t
 
 
 def test_torchrun_refuses_a_sweep_and_another_replica_count_in_one_line_per_process(gaexp_argv, tmp_path):
-    other = torchrun(gaexp_argv, tmp_path, "regime=bs4a4")
-    line = ("error: regime.replicas=1 on the 2 processes torchrun started (--nproc-per-node times --nnodes): each "
-            "process is a replica; valid: a regime of 2 replicas (w2bBaK), or 1 process\n")
-    assert other.returncode != 0 and other.stderr.count(line) == 2, other.stderr[-3000:]
-    sweep = torchrun(gaexp_argv, tmp_path, "-m", "regime=w2b4a2")
-    assert sweep.returncode != 0 and sweep.stderr.count("error: gaexp -m under torchrun: each of its processes would "
-                                                        "run the whole sweep; valid: one cell per torchrun") == 2
+    """Each process refuses in one line, and none with a traceback of gaexp's; torchrun stops the others when the
+    first exits, so a process still composing its config then (a loaded machine: seen in CI of 2026-12-05) never
+    says it: one line or two, never another."""
+    def one_line_each(done, line: str) -> None:
+        assert done.returncode != 0 and 1 <= done.stderr.count(line) <= 2, done.stderr[-3000:]
+        assert f'File "{Path(__file__).resolve().parents[1] / "gaexp"}/' not in done.stderr, done.stderr[-3000:]
+
+    one_line_each(torchrun(gaexp_argv, tmp_path, "regime=bs4a4"),
+                  "error: regime.replicas=1 on the 2 processes torchrun started (--nproc-per-node times --nnodes): each "
+                  "process is a replica; valid: a regime of 2 replicas (w2bBaK), or 1 process\n")
+    one_line_each(torchrun(gaexp_argv, tmp_path, "-m", "regime=w2b4a2"),
+                  "error: gaexp -m under torchrun: each of its processes would run the whole sweep; valid: one cell per "
+                  "torchrun")
     assert not (tmp_path / "mlflow.db").exists()  # nothing recorded
 
 
