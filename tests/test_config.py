@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import itertools
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -400,15 +401,23 @@ def test_imports_point_down_and_no_plugin_imports_the_app():
                 assert allowed is not None or not inside, f"{module} imports the tools {inside}"
 
 
-@pytest.mark.parametrize("name, module", FIRST_NAMES.items())
-def test_a_commands_first_name_runs_it(name, module):
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")  # runpy, about
+@pytest.mark.parametrize("name, module", FIRST_NAMES.items())  # a tool this process imported before (conftest: server)
+def test_a_commands_first_name_runs_it(name, module, monkeypatch, capsys):
     """`python -m gaexp.NAME` runs the module it moved to (gaexp/tools/NAME.py, gaexp/check/cli.py) with its
-    arguments, as `python -m gaexp.tools.NAME` (or gaexp-check) does."""
+    arguments, as `python -m gaexp.tools.NAME` (or gaexp-check) does: run here as `-m` runs it (runpy, as
+    __main__); the brief's `python -m gaexp.gpucheck` also as a process of its own."""
     tree = ast.parse((REPO / "gaexp" / f"{name}.py").read_text())
     assert imported_modules(tree, LAYERS) <= {f"gaexp.{module}"}, "a first name imports at most the module it runs"
-    done = subprocess.run([sys.executable, "-m", f"gaexp.{name}", "--help"], capture_output=True, text=True, timeout=300)
     prog = "gaexp-check" if module == "check.cli" else f"python -m gaexp.{module}"
-    assert done.returncode == 0 and done.stdout.startswith(f"usage: {prog} "), done.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module(f"gaexp.{name}", run_name="__main__", alter_sys=True)
+    assert done.value.code == 0 and capsys.readouterr().out.startswith(f"usage: {prog} ")
+    if name == "gpucheck":
+        ran = subprocess.run([sys.executable, "-m", "gaexp.gpucheck", "--help"], capture_output=True, text=True,
+                             timeout=300)
+        assert ran.returncode == 0 and ran.stdout.startswith(f"usage: {prog} "), ran.stderr[-2000:]
 
 
 @pytest.mark.parametrize("files, cpus", [
