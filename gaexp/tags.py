@@ -52,7 +52,8 @@ ROLES = (PLAN_ROLE, REPORT_ROLE, STUDY_ROLE, TRIAL_ROLE)
 CELLS, EXPECTED_S, CELLS_AT_ONCE, GRAPHS = "gaexp.cells", "gaexp.expected_s", "gaexp.cells_at_once", "gaexp.graphs"
 COSTS = "gaexp.costs"  # "expected:graphs" of each cell in launch order (left out past progress.MAX_COSTS)
 ORDER = "gaexp.order"  # the sweeper's order: longest_first or given
-# An experiment's (not a run's): MLflow's kind, which its UI reads.
+# An experiment's (not a run's): MLflow 3's UI opens an experiment of this kind on its runs table, not on the GenAI
+# overview (traces).
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
