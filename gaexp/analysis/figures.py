@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 from gaexp.analysis.columns import Collected, TRAIN_LOSS, VALID_ACC, in_order, norm_order
 from gaexp.analysis.stats import Summary
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
-from gaexp.tags import DATASET, MODEL
+from gaexp.tags import DATASET, MODEL, NORM, REGIME, SEED
 
 
 def _grid(n_panels: int, max_cols: int = 3):
@@ -40,7 +40,7 @@ def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisCon
     regimes = in_order(data.regime, design.regime_order)
     colors = dict(zip(design.regime_order, ["#7f7f7f", "#d62728", "#ff7f0e", "#1f77b4"]))
     fig, axes = _grid(len(norms))
-    stats_ = data.groupby(["norm", "regime", "step"])[metric].agg(["mean", "min", "max"]).reset_index()
+    stats_ = data.groupby([NORM, REGIME, "step"])[metric].agg(["mean", "min", "max"]).reset_index()
     for ax, norm in zip(axes, norms):
         for regime in regimes:
             s = stats_[(stats_.norm == norm) & (stats_.regime == regime)]
@@ -71,8 +71,8 @@ def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisCon
             ax.xaxis.set_tick_params(labelbottom=True)
             ax.set_xlabel("optimizer step")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", title="regime", frameon=False)
-    seeds = data.groupby(["norm", "regime"]).seed.nunique().max()
+    fig.legend(handles, labels, loc="outside right center", title=REGIME, frameon=False)
+    seeds = data.groupby([NORM, REGIME])[SEED].nunique().max()
     shown = [*in_order(data[DATASET], []), *(m for m in in_order(data[MODEL], []) if m != ADDED_DEFAULTS["model.name"])]
     datasets = ", ".join(shown)
     fig.suptitle(f"{datasets + ': ' if datasets else ''}{label.split(' (')[0]}, mean of {seeds} seed(s), "

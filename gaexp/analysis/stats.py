@@ -13,10 +13,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from gaexp.analysis.columns import (ACTIVATIONS, AnalysisError, ENGINE, MEMORY_COLUMNS, PARTS, PROTOCOL, column,
-                                    in_order, norm_order)
+from gaexp.analysis.columns import (ACTIVATIONS, AnalysisError, ENGINE, MEMORY_COLUMNS, PARTS, PROTOCOL, VALID_ACC,
+                                    column, in_order, norm_order)
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig, PROTOCOL_COLUMNS, parse_regime
-from gaexp.tags import BATCH_SIZE, DATASET, MODEL, NUM_ACCUM, PRECISION, REGIME
+from gaexp.tags import BATCH_SIZE, DATASET, MODEL, NORM, NUM_ACCUM, PRECISION, REGIME, SEED
 
 
 def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
@@ -31,7 +31,7 @@ def check_protocol(data: pd.DataFrame, per_cell: Sequence[str] = ()) -> None:
         if key not in PROTOCOL:
             raise AnalysisError(f"analysis.per_cell: {key!r}; valid: {', '.join(PROTOCOL)}")
     for key in [*per_cell, ENGINE]:
-        varying = data.groupby(["norm", "regime"])[key].nunique()
+        varying = data.groupby([NORM, REGIME])[key].nunique()
         if (varying > 1).any():
             cell = varying[varying > 1].index[0]
             if key == ENGINE:
@@ -152,11 +152,11 @@ def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
     (same-seed) difference, 95% t-interval and verdict at design.margin to each baseline cell present.
     `per_run`: windowed mean per (norm, regime, seed)."""
     rows, regime = [], design.ranked_regime
-    for norm in in_order(per_run.index.get_level_values("norm").unique(), norm_order(design)):
+    for norm in in_order(per_run.index.get_level_values(NORM).unique(), norm_order(design)):
         if (norm, regime) not in per_run.index:
             continue
         acc = per_run[norm, regime]
-        row = {"norm": norm, "mean": float(acc.mean()), "sd": float(acc.std(ddof=1)), "seeds": len(acc)}
+        row = {NORM: norm, "mean": float(acc.mean()), "sd": float(acc.std(ddof=1)), "seeds": len(acc)}
         for b_norm, b_regime in design.baseline_cells():
             name = f"{b_norm}/{b_regime}"
             base = per_run[b_norm, b_regime] if (b_norm, b_regime) in per_run.index else acc[[]]
@@ -189,18 +189,18 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     norms = in_order(data.norm, norm_order(design))
     regimes = in_order(data.regime, design.regime_order)
 
-    pooled = window.groupby(["norm", "regime"]).valid_acc.mean()
-    table = pooled.unstack("regime").reindex(index=norms, columns=columns)
-    table.columns.name, table.index.name = None, "norm"
+    pooled = window.groupby([NORM, REGIME])[VALID_ACC].mean()
+    table = pooled.unstack(REGIME).reindex(index=norms, columns=columns)
+    table.columns.name, table.index.name = None, NORM
 
-    per_run = window.groupby(["norm", "regime", "seed"]).valid_acc.mean()
+    per_run = window.groupby([NORM, REGIME, SEED])[VALID_ACC].mean()
     final = data[data.step == data.groupby("run_id").step.transform("max")]
-    final_acc = final.groupby(["norm", "regime"]).valid_acc.mean()
-    cells = per_run.groupby(["norm", "regime"]).agg(mean="mean", std="std", seeds="count")
+    final_acc = final.groupby([NORM, REGIME])[VALID_ACC].mean()
+    cells = per_run.groupby([NORM, REGIME]).agg(mean="mean", std="std", seeds="count")
     cells["final_acc"] = final_acc
     for key in design.per_cell:  # the tuned value of each cell
-        cells[key] = data.groupby(["norm", "regime"])[key].first()
-    cells = cells.reindex(pd.MultiIndex.from_product([norms, regimes], names=["norm", "regime"])).dropna(how="all")
+        cells[key] = data.groupby([NORM, REGIME])[key].first()
+    cells = cells.reindex(pd.MultiIndex.from_product([norms, regimes], names=[NORM, REGIME])).dropna(how="all")
     cells["seeds"] = cells.seeds.astype(int)
 
     paired_rows = []
@@ -210,11 +210,11 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
                 continue
             pair = paired_verdict(per_run[norm, regime], per_run[norm, reference], design.margin / 100)
             if pair["pairs"]:
-                paired_rows.append({"norm": norm, "regime": regime, **pair})
-    paired = pd.DataFrame(paired_rows, columns=["norm", "regime", *PAIRED_COLUMNS])
+                paired_rows.append({NORM: norm, REGIME: regime, **pair})
+    paired = pd.DataFrame(paired_rows, columns=[NORM, REGIME, *PAIRED_COLUMNS])
 
     most = int(cells.seeds.max())
-    seeds = per_run.groupby(["norm", "regime"]).size()
+    seeds = per_run.groupby([NORM, REGIME]).size()
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
     return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
@@ -246,15 +246,15 @@ def twins(per_run: pd.Series, norms: Sequence[str], columns: Sequence[str], marg
                 continue
             b, k, w = parse_regime(regime)
             pair = paired_verdict(per_run[norm, regime], per_run[norm, twin], margin)
-            rows.append({"norm": norm, "regime": regime, "twin": twin,
+            rows.append({NORM: norm, REGIME: regime, "twin": twin,
                          "norm_batch": w * b if norm in SYNCHRONIZED else b, "opt_batch": w * b * k, **pair})
-    return pd.DataFrame(rows, columns=["norm", "regime", "twin", "norm_batch", "opt_batch", *PAIRED_COLUMNS])
+    return pd.DataFrame(rows, columns=[NORM, REGIME, "twin", "norm_batch", "opt_batch", *PAIRED_COLUMNS])
 
 
 def engines_note(data: pd.DataFrame, norms: Sequence[str], regimes: Sequence[str]) -> str:
     """Which cells ran which engine where a report's cells differ in it ("" where they all ran one): a
     comparison across engines compares within seed noise, not bit for bit (docs/study.md)."""
-    by_cell = data.groupby(["norm", "regime"])[ENGINE].first()
+    by_cell = data.groupby([NORM, REGIME])[ENGINE].first()
     if by_cell.nunique() < 2:
         return ""
     parts = []
@@ -291,7 +291,7 @@ def compare_precisions(data: pd.DataFrame, design: AnalysisConfig) -> Precisions
     window, over = data[data.step > design.window_start], ""
     if window.empty:  # a short budget: every evaluation, as `summarize` takes it
         window, over = data, f"every evaluation (none after step {design.window_start})"
-    per_run = window.groupby(["norm", "regime", PRECISION, "seed"]).valid_acc.mean()
+    per_run = window.groupby([NORM, REGIME, PRECISION, SEED])[VALID_ACC].mean()
     precisions, differs = in_order(data[PRECISION], [reference]), {}
     for precision in precisions[1:] if not base.empty else []:
         mine = data[data[PRECISION] == precision][others].drop_duplicates()
@@ -308,12 +308,12 @@ def compare_precisions(data: pd.DataFrame, design: AnalysisConfig) -> Precisions
         if (norm, regime, precision) not in per_run.index:
             continue
         acc = per_run[norm, regime, precision]
-        row = {"norm": norm, "regime": regime, PRECISION: precision, "mean": float(acc.mean()),
+        row = {NORM: norm, REGIME: regime, PRECISION: precision, "mean": float(acc.mean()),
                "std": float(acc.std(ddof=1)) if len(acc) > 1 else np.nan, "seeds": len(acc)}
         if precision != reference and not differs.get(precision) and (norm, regime, reference) in per_run.index:
             row |= paired_verdict(acc, per_run[norm, regime, reference], design.margin / 100)
         rows.append(row)
-    table = pd.DataFrame(rows, columns=["norm", "regime", PRECISION, "mean", "std", "seeds", *PAIRED_COLUMNS])
+    table = pd.DataFrame(rows, columns=[NORM, REGIME, PRECISION, "mean", "std", "seeds", *PAIRED_COLUMNS])
     return Precisions(table, design, label_of(data[DATASET].iloc[0], data[MODEL].iloc[0]), "; ".join(notes), over)
 
 

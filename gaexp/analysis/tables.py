@@ -11,7 +11,7 @@ from gaexp.analysis.columns import ACTIVATIONS, Collected, PARTS
 from gaexp.analysis.figures import export_plots
 from gaexp.analysis.stats import Precisions, Summary, memory_table, verdict_text
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
-from gaexp.tags import PRECISION
+from gaexp.tags import NORM, PRECISION, REGIME
 
 
 def format_precisions(p: Precisions) -> str:
@@ -48,7 +48,7 @@ def export_precisions(p: Precisions, out: Path) -> list[Path]:
 
 def format_memory(memory: pd.DataFrame) -> str:
     """The memory table as Markdown: what accumulation saves, and what it costs in time."""
-    header = ["regime", *memory.columns]
+    header = [REGIME, *memory.columns]
     lines = ["Memory and speed per regime (means over runs; peaks are maxima)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for regime, row in memory.iterrows():
@@ -64,7 +64,7 @@ def format_table(summary: Summary) -> str:
     def pct(x: float) -> str:
         return "–" if pd.isna(x) else f"{100 * x:.2f}"
 
-    header = ["norm", *summary.table.columns]
+    header = [NORM, *summary.table.columns]
     over = summary.window_note or f"evaluations at step > {summary.design.window_start}"
     lines = [f"{summary.label}: mean valid accuracy (%) over {over}, pooled over seeds", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

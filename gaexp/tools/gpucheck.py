@@ -31,7 +31,7 @@ from gaexp.tools import bench
 from gaexp.data.catalog import data_config
 from gaexp.data.dataset import fetch, open_dataset, splits
 from gaexp.train import resolve_device
-from gaexp.tags import REGIME
+from gaexp.tags import NORM, REGIME, SEED
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def grid(plan: Plan, device: str, data_root: str, out: Path, n_jobs: int) -> flo
 def finals(store: Path) -> pd.Series:
     """Each run's last valid_acc (points), by norm, regime and seed."""
     collected = analysis.collect(MlflowClient(f"sqlite:///{store}/mlflow.db"), "gaexp", "all")
-    return collected.data.sort_values("step").groupby(["norm", "regime", "seed"]).valid_acc.last() * 100
+    return collected.data.sort_values("step").groupby([NORM, REGIME, SEED])[metrics.VALID_ACC.name].last() * 100
 
 
 def against_cpu(plan: Plan, device: str, data_root: str, work: Path, summary: Summary) -> float:
@@ -130,8 +130,8 @@ def against_cpu(plan: Plan, device: str, data_root: str, work: Path, summary: Su
     on, off = finals(work / "grid-device"), finals(work / "grid-cpu")
     summary.add(f"{device} against cpu, final valid_acc (points), paired on the seeds {plan.seeds}, margin "
                 f"+-{plan.margin}:")
-    for (norm, regime), group in on.groupby(level=["norm", "regime"]):
-        a, b = group.droplevel(["norm", "regime"]), off.loc[norm, regime]
+    for (norm, regime), group in on.groupby(level=[NORM, REGIME]):
+        a, b = group.droplevel([NORM, REGIME]), off.loc[norm, regime]
         verdict = analysis.paired_verdict(a, b, plan.margin)
         exact = "bit for bit" if a.equals(b) else "not bit for bit"
         summary.add(f"  {norm:6} {regime:7} {device} {a.mean():6.2f}  cpu {b.mean():6.2f}  diff {verdict['diff']:+.2f}  "
