@@ -31,7 +31,7 @@ from gaexp.callbacks import prepare, report_command
 from gaexp.cell import run_cell, threads_for
 from gaexp.config import composition_problem
 from gaexp.config import AnalysisConfig
-from hydra_plugins.gaexp_optuna_sweeper._impl import split_arguments
+from hydra_plugins.gaexp_optuna_sweeper._space import split_arguments
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_storage
 from tests.conftest import TINY
 from tests.test_batched import USER_NORM, USER_NORM_FILE

@@ -329,7 +329,8 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
               "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo",
               "tools.gpucheck", "callbacks", "app", "__main__", *FIRST_NAMES]),
-          f"{OPTUNA}._impl", f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
+          f"{OPTUNA}._space", f"{OPTUNA}._protocol", f"{OPTUNA}._heartbeat", f"{OPTUNA}._impl",
+          f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
           "hydra_plugins.gaexp_regimes.source"]
 WINGS = {"gaexp.data": ("gaexp.config", "gaexp.targets"),  # a wing's modules import these of gaexp and their own wing
          "gaexp.check": ("gaexp.config", "gaexp.precision", "gaexp.norms"),  # (its command, check.cli, anything below)

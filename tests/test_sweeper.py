@@ -20,10 +20,12 @@ from optuna.trial import TrialState
 
 from gaexp import callbacks, cell
 from gaexp.config import job_config
+from hydra_plugins.gaexp_optuna_sweeper import _heartbeat as heartbeat
 from hydra_plugins.gaexp_optuna_sweeper import _impl as sweeper
-from hydra_plugins.gaexp_optuna_sweeper.config import PRUNERS, SAMPLERS
+from hydra_plugins.gaexp_optuna_sweeper import _protocol as protocol
+from hydra_plugins.gaexp_optuna_sweeper.config import HEARTBEAT, PROTOCOL, PRUNERS, SAMPLERS
 from hydra_plugins.gaexp_optuna_sweeper import trials
-from hydra_plugins.gaexp_optuna_sweeper._impl import make_sampler, split_arguments
+from hydra_plugins.gaexp_optuna_sweeper._space import make_sampler, split_arguments
 from hydra_plugins.gaexp_optuna_sweeper.trials import make_pruner, open_storage
 
 
@@ -346,21 +348,21 @@ def test_repeats_report_their_mean_to_the_pruner_once_each_has_reported_the_step
 def test_a_study_records_its_protocol_and_refuses_another_naming_the_keys():
     study = optuna.create_study()
     mnist = {"data.dataset": "mnist", "train.num_iterations": "1200", "data.holdout": "10000"}
-    sweeper.check_protocol(study, "S", mnist)
-    assert study.user_attrs[sweeper.PROTOCOL] == mnist
+    protocol.check_protocol(study, "S", mnist)
+    assert study.user_attrs[PROTOCOL] == mnist
     study.ask()
-    sweeper.check_protocol(study, "S", dict(mnist))  # the same protocol continues
+    protocol.check_protocol(study, "S", dict(mnist))  # the same protocol continues
     fashion = mnist | {"data.dataset": "fashion_mnist", "model.name": "resnet20"}
     with pytest.raises(sweeper.SweeperError, match=(
             r"study '.*' in S was created for another protocol \(data.dataset: mnist in the study, fashion_mnist "
             r"here; model.name: \(none\) in the study, resnet20 here\); to continue it, give its values; to ask "
             r"this question, start a new study: hydra.sweeper.study_name=<a new name> \(or another "
             r"hydra.sweeper.storage\)")):
-        sweeper.check_protocol(study, "S", fashion)
+        protocol.check_protocol(study, "S", fashion)
     old = optuna.create_study()
     old.ask()  # made before studies recorded a protocol
     with pytest.raises(sweeper.SweeperError, match=r"has 1 trials and no recorded protocol"):
-        sweeper.check_protocol(old, "S", mnist)
+        protocol.check_protocol(old, "S", mnist)
 
 
 @pytest.mark.parametrize("kind", ["journal", "rdb"])
@@ -377,14 +379,14 @@ def test_only_a_stopped_sweeps_trials_are_failed_and_handed_to_the_callback(tmp_
     backend = open_storage(url, heartbeat_interval=1, grace_period=grace, failed_trial_callback=callback)
     study = optuna.create_study(study_name="s", storage=backend)
     live, dead = study.ask(), study.ask()
-    with sweeper.Heartbeat(backend, 1) as heart:
+    with heartbeat.Heartbeat(backend, 1) as heart:
         heart.add(live._trial_id)
-        sweeper.beat(backend, dead._trial_id)  # one beat, then its sweep died
+        heartbeat.beat(backend, dead._trial_id)  # one beat, then its sweep died
         if kind == "journal":  # the beat is a time the sweeper wrote: make it an old one
-            backend.set_trial_system_attr(dead._trial_id, sweeper.HEARTBEAT, time.time() - 10 * grace)
+            backend.set_trial_system_attr(dead._trial_id, HEARTBEAT, time.time() - 10 * grace)
         else:  # Optuna's heartbeat table holds the database's clock: wait it out
             time.sleep(grace + 1.5)
-        assert sweeper.fail_stale_trials(study, grace, callback) == [dead.number]
+        assert heartbeat.fail_stale_trials(study, grace, callback) == [dead.number]
         assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.FAIL] and called == [dead.number]
         study.tell(live, 1.0)  # the live sweep's tell works
     assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL]

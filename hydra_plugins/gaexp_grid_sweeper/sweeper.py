@@ -18,7 +18,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -26,6 +26,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.gaexp_grid_sweeper.config import ORDERS
+
+if TYPE_CHECKING:  # the annotation's name only: gaexp loads when a sweep runs
+    from gaexp import progress
 
 log = logging.getLogger(__name__)
 INTERRUPTED = 128 + signal.SIGINT  # 130: the exit status a shell reports for a command Ctrl-C stopped

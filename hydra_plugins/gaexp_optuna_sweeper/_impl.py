@@ -2,15 +2,16 @@
 
 Every key of `params` and every command-line override written as a search (choice(...), interval(a, b),
 int(interval(a, b)), tag(log, interval(a, b)), range(a, b, step), or a comma list `a,b`, a choice as in
-hydra-optuna-sweeper) is searched; a plain value is fixed. Keys of `grid` (`hydra.sweeper.grid.norm=bn,in`)
-are swept outside the search: each combination is its own study, `<study_name>[norm=bn,...]`.
+hydra-optuna-sweeper) is searched; a plain value is fixed (_space.py). Keys of `grid`
+(`hydra.sweeper.grid.norm=bn,in`) are swept outside the search: each combination is its own study,
+`<study_name>[norm=bn,...]`.
 
-A study records the protocol it was created for (the composed config of its trials without the searched,
-repeated and ignorable keys): continuing it with another is refused. Each trial may run several jobs
-(`repeats`, e.g. one per seed) and is worth their mean; the jobs report their evaluations to the trial
-(through the `trial_key` node), which reports the mean of the repeats at each step to its pruner. While its
-trials run, the sweep records a heartbeat for each; a RUNNING trial whose beats stopped for `grace_period`
-(its sweep died) is failed by the next sweep that opens the study, a live sweep's never.
+A study records the protocol it was created for: continuing it with another is refused (_protocol.py). Each
+trial may run several jobs (`repeats`, e.g. one per seed) and is worth their mean; the jobs report their
+evaluations to the trial (through the `trial_key` node), which reports the mean of the repeats at each step to
+its pruner. While its trials run, the sweep records a heartbeat for each; a RUNNING trial whose beats stopped
+for `grace_period` (its sweep died) is failed by the next sweep that opens the study, a live sweep's never
+(_heartbeat.py).
 """
 
 from __future__ import annotations
@@ -20,122 +21,28 @@ import itertools
 import logging
 import math
 import re
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import optuna
-from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobStatus
-from hydra.errors import HydraException
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
-from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+from omegaconf import DictConfig, OmegaConf
+from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
 from hydra_plugins.gaexp_optuna_sweeper import tally
-from hydra_plugins.gaexp_optuna_sweeper.config import (DIRECTIONS, HEARTBEAT, PROTOCOL, PRUNER, REPEATS, RESULTS,
-                                                       SweeperError, storage_problem)
+from hydra_plugins.gaexp_optuna_sweeper._heartbeat import Heartbeat, fail_stale_trials
+from hydra_plugins.gaexp_optuna_sweeper._protocol import check_protocol, protocol
+from hydra_plugins.gaexp_optuna_sweeper._space import grid_points, make_sampler, split_arguments
+from hydra_plugins.gaexp_optuna_sweeper.config import (DIRECTIONS, PRUNER, REPEATS, RESULTS, SweeperError,
+                                                       storage_problem)
 from hydra_plugins.gaexp_optuna_sweeper.trials import make, make_pruner, open_storage
 
 log = logging.getLogger(__name__)
-FORMS = ("choice(a, b, ...) or a,b,..., interval(a, b), int(interval(a, b)), tag(log, interval(a, b)), "
-         "range(a, b, step) or a fixed value")
-
-
-def parse(key: str, value: str) -> Override:
-    try:
-        (override,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
-    except HydraException as e:
-        why = " ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip() and not line.startswith("See "))
-        raise SweeperError(f"{key}={value!r} is not a value or a sweep ({why}); valid: {FORMS}") from None
-    return override
-
-
-def distribution(override: Override) -> BaseDistribution | str:
-    """The Optuna distribution of a searched override, or the string of a fixed one."""
-    if not override.is_sweep_override():
-        return override.get_value_element_as_str()
-    name, value = override.get_key_element(), override.value()
-    where = f"{name}={override.input_line.split('=', 1)[1] if override.input_line else value}"
-    if isinstance(value, ChoiceSweep):
-        choices = list(override.sweep_iterator())
-        if not choices:
-            raise SweeperError(f"{where}: an empty choice; valid: choice(a, b, ...) with one value or more")
-        return CategoricalDistribution(choices)
-    if isinstance(value, RangeSweep):
-        values = list(override.sweep_iterator())
-        if not values:
-            raise SweeperError(f"{where}: an empty range; valid: range(a, b, step) with a < b for step > 0")
-        step = value.step or 1
-        if any(isinstance(v, float) for v in (value.start, value.stop, step)):
-            return FloatDistribution(float(values[0]), float(values[-1]), step=float(step))
-        return IntDistribution(int(values[0]), int(values[-1]), step=int(step))
-    if isinstance(value, IntervalSweep):
-        low, high, tags = value.start, value.end, set(value.tags)
-        if tags - {"log"}:
-            raise SweeperError(f"{where}: unknown tag(s) {sorted(tags - {'log'})}; valid: tag(log, interval(a, b))")
-        if not low < high:
-            raise SweeperError(f"{where}: an empty or inverted interval; valid: interval(a, b) with a < b")
-        if "log" in tags and low <= 0:
-            raise SweeperError(f"{where}: a log scale needs bounds > 0; valid: tag(log, interval(a, b)) with 0 < a < b")
-        if isinstance(low, int) and isinstance(high, int):
-            return IntDistribution(low, high, log="log" in tags)
-        return FloatDistribution(float(low), float(high), log="log" in tags)
-    raise SweeperError(f"{where}: not supported; valid: {FORMS}")
-
-
-def split_arguments(params: Dict[str, str], grid: Dict[str, str], arguments: Sequence[str]
-                    ) -> Tuple[Dict[str, BaseDistribution], Dict[str, str], List[List[str]]]:
-    """(search space, fixed values, grid axes as lists of key=value): the config's params and grid,
-    then the command line, which wins. A key of `grid` is a grid axis wherever it is given."""
-    space: Dict[str, BaseDistribution] = {}
-    fixed: Dict[str, str] = {}
-    axes: Dict[str, List[str]] = {}
-    parsed = [parse(k, v) for k, v in params.items()]
-    parsed += [parse(k, v) for k, v in grid.items()]
-    for line in arguments:
-        key, _, value = line.partition("=")
-        parsed.append(parse(key, value))
-    grid_keys = set(grid)
-    for override in parsed:
-        key = override.get_key_element()
-        space.pop(key, None), fixed.pop(key, None)
-        if key in grid_keys:  # a grid axis, in study names; a comma list elsewhere is a choice, as in the official plugin
-            values = override.sweep_string_iterator() if override.is_sweep_override() else [override.get_value_element_as_str()]
-            axes[key] = [f"{key}={v}" for v in values]  # keeps its first place: study names read in grid order
-        else:
-            axes.pop(key, None)
-            found = distribution(override)
-            (space if isinstance(found, BaseDistribution) else fixed)[key] = found
-    return space, fixed, list(axes.values())
-
-
-def grid_points(space: Dict[str, BaseDistribution]) -> Dict[str, list]:
-    """Every value of each searched key, for the grid sampler: choices, or a range's steps."""
-    values = {}
-    for key, dist in space.items():
-        if isinstance(dist, CategoricalDistribution):
-            values[key] = list(dist.choices)
-        elif dist.step is not None:
-            values[key] = [dist.low + i * dist.step for i in range(int(round((dist.high - dist.low) / dist.step)) + 1)]
-        else:
-            raise SweeperError(f"{key}: the grid sampler needs discrete values; valid: choice(...) or range(...)")
-    return values
-
-
-def make_sampler(node: Any, space: Dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
-    """The sampler of a study; the grid sampler's points, if not given, are the searched keys' values."""
-    filled = {}
-    if str(OmegaConf.select(node, "_target_")).endswith("GridSampler") and node.get("search_space") is None:
-        filled["search_space"] = grid_points(space)
-    return make(node, "hydra.sweeper.sampler", optuna.samplers.BaseSampler, **filled)
 
 
 def trial_value(ret: Any) -> Tuple[TrialState, Optional[float]]:
@@ -171,136 +78,6 @@ def repeat_lines(repeats: Dict[str, Sequence[Any]]) -> List[List[str]]:
                                f"e.g. {{{key}: [1, 2]}}")
     return [[f"{k}={v}" for k, v in zip(repeats, combo)] for combo in itertools.product(*repeats.values())]
 
-
-def delete(cfg: DictConfig, dotted: str) -> None:
-    """Remove a key (dotted path) from a config, if there."""
-    parent, _, last = dotted.lstrip("+~").rpartition(".")
-    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
-    if isinstance(node, DictConfig) and last in node:
-        del node[last]
-
-
-def flatten(tree: Any, prefix: str = "") -> Dict[str, str]:
-    if isinstance(tree, dict):
-        out: Dict[str, str] = {}
-        for k, v in tree.items():
-            out |= flatten(v, f"{prefix}{k}.")
-        return out or {prefix[:-1]: "{}"}
-    return {prefix[:-1]: str(tree)}
-
-
-def protocol(cell_config: DictConfig, dropped: Sequence[str]) -> Dict[str, str]:
-    """A study's identity: every key of its trials' composed config (without `hydra`) and its value as text,
-    but the dropped keys (searched, repeated, the trial node, and what the app excludes from a job's
-    identity: hydra.job.config.override_dirname.exclude_keys)."""
-    ignored = OmegaConf.select(cell_config, "hydra.job.config.override_dirname.exclude_keys", default=None) or []
-    cfg = OmegaConf.create(OmegaConf.to_container(cell_config, resolve=False))
-    with read_write(cfg), open_dict(cfg):
-        for key in ["hydra", *dropped, *ignored]:
-            delete(cfg, key)
-    hydra_config = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cell_config)  # ${hydra:...} resolves as in the trial's job
-    try:
-        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    except Exception:  # noqa: BLE001 - a value that only resolves in the job: compared as written
-        resolved = OmegaConf.to_container(cfg, resolve=False)
-    finally:
-        if hydra_config is not None:
-            HydraConfig.instance().set_config(hydra_config)
-    return flatten(resolved)
-
-
-def check_protocol(study: optuna.Study, storage: str, wanted: Dict[str, str]) -> None:
-    """Record a new study's protocol; refuse to continue a study created for another one (or for none)."""
-    had = study.user_attrs.get(PROTOCOL)
-    new = "start a new study: hydra.sweeper.study_name=<a new name> (or another hydra.sweeper.storage)"
-    if had is None:
-        if study.trials:
-            raise SweeperError(f"study {study.study_name!r} in {storage} has {len(study.trials)} trials and no "
-                               f"recorded protocol (made before studies recorded one), so this command's could "
-                               f"differ from its trials'; {new}")
-        study.set_user_attr(PROTOCOL, wanted)
-        return
-    differ = sorted(k for k in set(had) | set(wanted) if had.get(k) != wanted.get(k))
-    if differ:
-        shown = "; ".join(f"{k}: {had.get(k, '(none)')} in the study, {wanted.get(k, '(none)')} here"
-                          for k in differ[:4]) + (f"; and {len(differ) - 4} more" if len(differ) > 4 else "")
-        raise SweeperError(f"study {study.study_name!r} in {storage} was created for another protocol ({shown}); "
-                           f"to continue it, give its values; to ask this question, {new}")
-
-
-def has_heartbeat(storage: optuna.storages.BaseStorage) -> bool:
-    """Whether the storage keeps Optuna's own heartbeat (an RDB storage given an interval); a journal has none."""
-    return isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage)
-
-
-def beat(storage: optuna.storages.BaseStorage, trial_id: int) -> None:
-    """Record that the sweep running a trial is alive: Optuna's heartbeat (RDB), or a system attribute."""
-    if has_heartbeat(storage):
-        storage.record_heartbeat(trial_id)
-    else:
-        storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
-
-
-def fail_stale_trials(study: optuna.Study, grace_period: float, callback: Any) -> List[int]:
-    """Fail the RUNNING trials whose sweep stopped beating `grace_period` seconds ago (a killed sweep's),
-    then call `callback(study, trial)` for each; a live sweep's trials beat and are left alone. A trial that
-    never beat (recorded by an older gaexp) counts from its start. Returns the failed trials' numbers."""
-    storage = study._storage
-    running = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    if has_heartbeat(storage):
-        optuna.storages.fail_stale_trials(study)  # Optuna's own, with the storage's callback
-        return sorted(t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-                      if t.number in running)
-    now, failed = time.time(), []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        last = trial.system_attrs.get(HEARTBEAT, trial.datetime_start.timestamp() if trial.datetime_start else now)
-        if now - last <= grace_period:
-            continue
-        try:
-            if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
-                continue
-        except optuna.exceptions.UpdateFinishedTrialError:  # its sweep told it meanwhile
-            continue
-        failed.append(trial.number)
-        if callback is not None:
-            callback(study, storage.get_trial(trial._trial_id))
-    return failed
-
-
-class Heartbeat:
-    """While a sweep's trials run: a thread recording a beat for each of them every `interval` seconds."""
-
-    def __init__(self, storage: optuna.storages.BaseStorage, interval: float) -> None:
-        self.storage, self.interval, self.trials = storage, interval, set()
-        self.lock, self.stopped = threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self.run, name="gaexp-optuna-heartbeat", daemon=True)
-
-    def __enter__(self) -> "Heartbeat":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-    def add(self, trial_id: int) -> None:
-        with self.lock:
-            self.trials.add(trial_id)
-            beat(self.storage, trial_id)
-
-    def remove(self, trial_id: int) -> None:
-        with self.lock:
-            self.trials.discard(trial_id)
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval):
-            with self.lock:
-                for trial_id in list(self.trials):
-                    try:
-                        beat(self.storage, trial_id)
-                    except Exception as e:  # noqa: BLE001 - a missed beat is retried at the next one
-                        log.warning("heartbeat of trial id %d: %s", trial_id, e)
 
 
 def storage_and_name(storage: Optional[str], study_name: Optional[str], sweep_dir: Path) -> Tuple[str, str]:

@@ -1,4 +1,5 @@
-"""`hydra/sweeper=gaexp_optuna`: Optuna searches, Hydra's launcher runs the trials (the work is in _impl.py).
+"""`hydra/sweeper=gaexp_optuna`: Optuna searches, Hydra's launcher runs the trials (the work is in _impl.py and
+the private modules beside it).
 
 Hydra's plugin scan imports this module in every Hydra application of the environment, so it imports
 only Hydra: Optuna, and whatever the application imports, load when a sweep starts.
