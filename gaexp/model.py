@@ -153,7 +153,7 @@ def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> tor
     (for further checks), the global RNG left as it was."""
     make = load(c.model.target)
     channels = norm_channels(make, shape[0], num_classes, c.model.target)
-    norms.check_channels(c.norm.options(), channels, c.model.name)
+    norms.require_channels(c.norm.options(), channels, c.model.name)
     norms.require_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
         model = make_model(c, shape[0], num_classes, make)

@@ -134,7 +134,7 @@ def built(norm: Norm, channels: int, **options: Any) -> Any:
     return module
 
 
-def check_channels(options: dict, channels: Iterable[int], model: str) -> None:
+def require_channels(options: dict, channels: Iterable[int], model: str) -> None:
     """The norm's options against the channels of the model's norm layers: GroupNorm's groups must divide
     every one of them."""
     channels = sorted(set(channels))

@@ -18,7 +18,7 @@ from gaexp.model import make_model
 from gaexp.config import typed
 from gaexp.model import ResNet20, SimpleModel, load, norm_channels
 from gaexp.targets import TargetError
-from gaexp.norms import NORMS, check_channels, norm_layer
+from gaexp.norms import NORMS, require_channels, norm_layer
 
 
 def test_registry_keeps_the_study_defaults():
@@ -45,9 +45,9 @@ def test_group_count_must_divide_every_norm_layer_of_the_model(model, channels, 
     assert sorted(set(found)) == channels
     with pytest.raises(ValueError, match=rf"^norm.groups=5 does not divide the channels {re.escape(str(channels))} "
                                          rf"of model=m; valid: {re.escape(str(valid))}$"):
-        check_channels({"groups": 5}, found, "m")
-    check_channels({"groups": valid[-1]}, found, "m")
-    check_channels({}, found, "m")  # no groups: nothing to check
+        require_channels({"groups": 5}, found, "m")
+    require_channels({"groups": valid[-1]}, found, "m")
+    require_channels({}, found, "m")  # no groups: nothing to check
 
 
 def test_check_refuses_a_group_count_of_the_chosen_model_before_anything_runs(compose):
