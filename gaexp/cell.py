@@ -34,7 +34,7 @@ from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopW
 from gaexp.machine import usable_cores
 from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, reset_peak_rss, sample_bytes
 from gaexp.model import check_model, make_model
-from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags
+from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags, trial_tags
 from gaexp.train import compile_phases, resolve_device, train
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
@@ -257,7 +257,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                      **({} if in_sweep else {SINGLE_RUN: "true"}),
                      **({CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
                      **({ACCUMULATE_FALLBACK: choice.reason} if choice.fell_back else {}),
-                     **trial.trial_tags(c.optuna))
+                     **trial_tags(c.optuna.study, c.optuna.trial, c.optuna.repeat, c.optuna.repeats))
     reporting = [trial.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
     try:
         with tracking.tracked_run(client, experiment_id, c.run_name, tags) as run_id:

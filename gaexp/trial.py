@@ -13,7 +13,6 @@ import numpy as np
 
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_trial, report
 
-from gaexp import tags
 from gaexp.config import AnalysisConfig, OptunaTrialConfig
 from gaexp.hooks import EvalPoint, Hook, Stopped
 
@@ -63,8 +62,3 @@ def describe_objective(design: AnalysisConfig) -> str:
     if design.objective == "final":
         return "final: valid_acc at the last evaluation"
     return f"window: mean valid_acc over the evaluations at step > {design.window_start} (the report's metric)"
-
-
-def trial_tags(trial_config: OptunaTrialConfig) -> dict[str, str]:
-    """The MLflow tags of a trial run (none for a run that is no trial)."""
-    return tags.trial_tags(trial_config.study, trial_config.trial, trial_config.repeat, trial_config.repeats)
