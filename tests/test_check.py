@@ -213,7 +213,13 @@ def test_the_model_is_left_as_it_was(mnist_batch):
     (dict(micro_batch=8, num_accum=1), "num_accum=1; valid: an integer >= 2"),
     (dict(micro_batch=0, num_accum=4), "micro_batch=0; valid: an integer >= 1"),
     (dict(micro_batch=2, num_accum=4, loss=len), "expected loss(outputs, targets), loss(outputs, targets, "
-                                                 "step_targets) or loss(outputs, targets, *, step_targets)"),
+                                                 "step_targets), loss(outputs, targets, *, step_targets) or "
+                                                 "loss(outputs, targets, num_items_in_batch) -> scalar tensor, or "
+                                                 "'model' (the model's own)"),
+    (dict(micro_batch=2, num_accum=4, loss="models"), "loss='models'; expected loss(outputs, targets)"),
+    (dict(micro_batch=2, num_accum=4, num_items_in_batch=True), "num_items_in_batch given, and loss cross_entropy "
+                                                                "takes no num_items_in_batch parameter: give "
+                                                                "loss='model'"),
     (dict(micro_batch=2, num_accum=4, loss=lambda out, t, *, weight: out), "expected loss(outputs, targets)"),
     (dict(micro_batch=2, num_accum=4, modes="eval"), "modes='eval'; valid: train, keep"),
     (dict(micro_batch=2, num_accum=4, loss=lambda out, t: out), "returned Tensor (8, 10); expected a scalar"),
@@ -285,7 +291,7 @@ def test_replicas_read_as_accumulation_over_all_their_micro_batches():
     (["torchvision.models:resnet18", "--input-shape", "3,5"], "the model refuses inputs of shape (2, 3, 5)"),
     (["torchvision.models:resnet18", "--input-shape", "3,x"], "'3,x'; valid: one sample's shape"),
     (["torchvision.models:resnet18", "--loss", "builtins:len"], "--loss='builtins:len': expected loss(outputs, "
-                                                               "targets), loss(outputs, targets, step_targets) or"),
+                                                               "targets), loss(outputs, targets, step_targets), "),
     (["torchvision.models:resnet18", "--micro-batch", "two"], "argument --micro-batch: invalid int value: 'two' "
                                                             "(gaexp-check --help lists the options)"),
     ([], "the following arguments are required: TARGET"),

@@ -2,6 +2,7 @@
 
     gaexp-check torchvision.models:resnet18 --input-shape 3,224,224     # any callable returning a model
     gaexp-check model=resnet20 norm=bn                                   # a gaexp model and norm (config overrides)
+    gaexp-check hf:./my-checkpoint --task causal-lm --num-items-in-batch # a transformers model, its own loss
 
 One training step from the same weights and samples, as one batch of b*k and as k micro-batches of b; the
 report names what differs and why. Exit status 0 safe, 1 unsafe, 2 bad input, 3 NaN or Inf in the step, 4
@@ -32,9 +33,10 @@ from torch.utils._pytree import tree_leaves
 from gaexp import targets
 from gaexp.arguments import positive_ints
 from gaexp.data.batches import micro_batch_indices
+from gaexp.check import hf
 from gaexp.check.accumulation import check_accumulation
 from gaexp.check.errors import CheckError, NonFiniteError
-from gaexp.check.loss import LOSS_FORMS, loss_contract
+from gaexp.check.loss import LOSS_FORMS, MODEL_LOSS, NUM_ITEMS, loss_contract
 from gaexp.check.report import Report
 from gaexp.config import (ACCUMULATE_IN, CONFIG_DIR, DEVICES, FP32, DataConfig, PrecisionConfig, composition_problem,
                           typed, unknown_choice)
@@ -47,6 +49,7 @@ from gaexp.train import resolve_device
 
 SAFE, UNSAFE, BAD_INPUT, NON_FINITE, IMPRECISE = 0, 1, 2, 3, 4
 DEFAULT_MICRO_BATCH, DEFAULT_ACCUM = 2, 4
+DEFAULT_SEQ_LEN = 16
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Subject:
     data: DataConfig | None = None  # the dataset of --data (None: random inputs)
     precision: PrecisionConfig | None = None  # a gaexp model's precision=, where its overrides name one
     replicas: int = 1  # w data-parallel replicas of micro_batch with num_accum // w steps each (--replicas)
+    task: str | None = None  # a transformers task (--task, or hf:PATH's config): its inputs, labels and own loss
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -94,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
         "an import path module:callable that returns a model (torchvision.models:resnet18, mypkg.nets:build), "
         "or gaexp config overrides naming a model and norm (model=resnet20 norm=bn; model=custom "
         "model.target=mypkg.nets:build norm=gn4), whose regime, if given, sets b and k; either may be followed "
-        "by the dataset's keys (data.path=DIR data.size=[64,64])"))
+        "by the dataset's keys (data.path=DIR data.size=[64,64]); or hf:PATH, a transformers checkpoint folder or "
+        "config file, loaded offline by the Auto class of its --task"))
     p.add_argument("--input-shape", type=_shape, default=None, help=(
         "one sample's shape for an import path, e.g. 3,224,224 (default: 3,224,224, or the --data images'); a "
         "gaexp model takes its dataset's (the config's data, or --data)"))
@@ -110,10 +115,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=None, help=(
         "w, data-parallel replicas of micro-batch b with k steps each, norms per replica: checked as accumulation "
         "at b with w*k steps (default: 1, or the gaexp regime's)"))
-    p.add_argument("--loss", default=None, metavar="MODULE:CALLABLE", help=(
+    p.add_argument("--loss", default=None, metavar="MODULE:CALLABLE|model", help=(
         "loss(outputs, targets) -> scalar, a mean over its micro-batch (default: cross-entropy, summed over the "
-        "heads of a model that returns several); one that takes the whole step's targets as a third positional "
-        "parameter or a keyword-only step_targets gets them and is not scaled by 1/k"))
+        "heads of a model that returns several; with --task, the model's own); one that takes the whole step's "
+        "targets as a third positional parameter or a keyword-only step_targets gets them and is not scaled by 1/k, "
+        f"and so does one that takes {NUM_ITEMS} (a Trainer's compute_loss_func(outputs, labels, {NUM_ITEMS})), "
+        f"given the step's count of labels that are not -100; '{MODEL_LOSS}': the loss the model's forward "
+        "returns (outputs.loss), scaled by 1/k"))
+    p.add_argument("--num-items-in-batch", action="store_true", help=(
+        f"as transformers' Trainer with a model that takes loss keywords: the step's count of labels that are not "
+        f"-100 (from the second token on for a decoder) given to the model's forward as {NUM_ITEMS}, and its loss "
+        "not scaled by 1/k (the fix of the 2024 accumulation bug)"))
+    p.add_argument("--task", choices=tuple(hf.TASKS), default=None, help=(
+        "a transformers model's task, whose inputs are made for it: tokens of the config's vocabulary with their "
+        "attention mask and labels (causal-lm, masked-lm: 15%% of tokens masked, sequence-classification), images "
+        "(image-classification) or image-text pairs (contrastive, return_loss=True); the loss is the model's own "
+        "(default: the task the config's architectures name)"))
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=(
+        "tokens a row for a text task (default: %(default)s)"))
+    p.add_argument("--pad", choices=hf.PADDING, default="varied", help=(
+        "varied: each row has from a quarter of --seq-len to all of it real tokens, padded after, so micro-batches "
+        "hold different counts of tokens (as a collator's padding gives them); none: every row full, as packed "
+        "sequences (default: %(default)s)"))
     p.add_argument("--data", default="random", help=(
         f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(names())}, its "
         "first b*k training images in the seed's order, as a cell's model sees them (default: %(default)s)"))
@@ -268,6 +291,8 @@ def from_import_path(target: str, args: argparse.Namespace, keys: Sequence[str] 
     if not isinstance(model, nn.Module):
         raise CheckError(f"TARGET={target!r} returned {type(model).__name__}; expected a torch.nn.Module")
     b, k, w = _sizes(args)
+    if args.task is not None:
+        return task_subject(model, target, args, keys, args.task)
     data = data_of(args, keys)
     if data is None:
         return Subject(model, target, args.input_shape or (3, 224, 224), b, w * k, replicas=w)
@@ -278,10 +303,33 @@ def from_import_path(target: str, args: argparse.Namespace, keys: Sequence[str] 
     return Subject(model, target, shape, b, w * k, data, replicas=w)
 
 
-def load_loss(target: str | None) -> Callable[..., torch.Tensor] | None:
-    """The loss an import path names, held to the check's one loss contract (gaexp.check.loss_contract)."""
-    if target is None:
-        return None
+def task_subject(model: nn.Module, name: str, args: argparse.Namespace, keys: Sequence[str], task: str) -> Subject:
+    """A transformers model checked on its task's inputs (no --data, --input-shape or --num-classes: the config
+    says them)."""
+    given = [flag for flag, value in (("--input-shape", args.input_shape), ("--num-classes", args.num_classes),
+                                      ("--data", None if args.data == "random" else args.data)) if value is not None]
+    if given or keys:
+        raise CheckError(f"{' '.join([*given, *keys])} with --task {task}: the task's inputs come from the model's "
+                         "config (--seq-len and --pad for text)")
+    b, k, w = _sizes(args)
+    return Subject(model, name, (), b, w * k, replicas=w, task=task)
+
+
+def from_hf(target: str, args: argparse.Namespace, keys: Sequence[str]) -> Subject:
+    """hf:PATH: a transformers checkpoint folder or config file, with the head of its task."""
+    if args.num_classes is not None or args.arg:
+        raise CheckError("--num-classes and --arg are for an import path; hf:PATH takes its labels and options from "
+                         "its config")
+    torch.manual_seed(args.seed)
+    model, task = hf.load(target.removeprefix(hf.PREFIX), args.task)
+    return task_subject(model, target, args, keys, task)
+
+
+def load_loss(target: str | None) -> Callable[..., torch.Tensor] | str | None:
+    """The loss an import path names, or 'model', held to the check's one loss contract
+    (gaexp.check.loss_contract)."""
+    if target is None or target == MODEL_LOSS:
+        return target
     fn = targets.load(target, "--loss", positional=None)
     try:
         loss_contract(fn)
@@ -358,22 +406,38 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
         if args.device not in DEVICES:
             raise CheckError(f"--device {args.device!r}; valid: {', '.join(DEVICES)}")
         device = resolve_device(args.device)
-        overrides = "=" in args.target[0]
+        overrides = "=" in args.target[0] and not args.target[0].startswith(hf.PREFIX)
         if not overrides and not all(t.startswith("data.") and "=" in t for t in args.target[1:]):
-            raise CheckError(f"TARGET: one import path (then data.KEY=VALUE keys of --data), or config overrides "
-                             f"KEY=VALUE; got {' '.join(args.target)}")
-        subject = from_config(args.target, args) if overrides else from_import_path(args.target[0], args,
-                                                                                    args.target[1:])
-        loss = load_loss(args.loss)
+            raise CheckError(f"TARGET: one import path or hf:PATH (then data.KEY=VALUE keys of --data), or config "
+                             f"overrides KEY=VALUE; got {' '.join(args.target)}")
+        if overrides and args.task is not None:
+            raise CheckError(f"--task {args.task} is for a transformers model (hf:PATH, or an import path returning "
+                             "one); a gaexp model trains on its dataset")
+        subject = from_config(args.target, args) if overrides else \
+            from_hf(args.target[0], args, args.target[1:]) if args.target[0].startswith(hf.PREFIX) else \
+            from_import_path(args.target[0], args, args.target[1:])
+        loss = load_loss(args.loss if args.loss is not None or subject.task is None else MODEL_LOSS)
         precision = precision_of(args, subject)
         problem = device_problem(precision, device) if precision.name != FP32 else None
         if problem:
             raise CheckError(problem)
-        inputs, labels = make_data(subject, args, device)
+        count = hf.trainer_count(subject.model) if args.num_items_in_batch else False
+        if subject.task is not None:
+            n = subject.micro_batch * subject.num_accum
+            if subject.micro_batch < 1 or subject.num_accum < 2:
+                raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, "
+                                 "k >= 2")
+            inputs, labels = hf.task_inputs(subject.model, subject.task, n, subject.micro_batch, args.seq_len,
+                                            args.pad, args.seed)
+            subject.model.to(device)
+            inputs = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in inputs.items()}
+            labels = labels.to(device) if labels is not None else None
+        else:
+            inputs, labels = make_data(subject, args, device)
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
                                     num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
                                     modes="keep" if args.keep_modes else "train", norm_choices=overrides,
-                                    precision=precision)
+                                    precision=precision, num_items_in_batch=count)
     except NonFiniteError as e:
         return NON_FINITE, render_nonfinite(e, subject, args, device)
     except (CheckError, TargetError, DataError, HydraException, OmegaConfBaseException, ValueError) as e:
@@ -393,8 +457,15 @@ VERDICTS = {SAFE: "safe", UNSAFE: "unsafe", NON_FINITE: "non-finite", IMPRECISE:
 
 
 def _header(subject: Subject, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    n = subject.micro_batch * subject.num_accum
     data = f"random inputs of shape {','.join(map(str, subject.input_shape))}" if args.data == "random" \
-        else f"{args.data}'s first {subject.micro_batch * subject.num_accum} training images (seed {args.seed})"
+        else f"{args.data}'s first {n} training images (seed {args.seed})"
+    if subject.task in ("causal-lm", "masked-lm", "sequence-classification", "contrastive"):
+        data = (f"{subject.task}: {n} random rows of {args.seq_len} tokens, "
+                + ("all real (--pad none)" if args.pad == "none" else "padded after a quarter to all of them (--pad "
+                   "varied)") + (" and images" if subject.task == "contrastive" else ""))
+    elif subject.task is not None:
+        data = f"{subject.task}: {n} random images"
     return {"target": subject.name, "data": data, "device": str(device), "seed": args.seed}
 
 

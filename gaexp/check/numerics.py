@@ -118,13 +118,13 @@ def precise_step(model: nn.Module, precision: Precision, inputs: Any, targets: A
     """One step as training takes it under `precision` (its forward, its backward of each 1/k-scaled loss, its
     sum, its step with an optimizer that moves nothing): each parameter's gradient, and whether the scaler
     skipped the step. `model` is the precision's own copy."""
-    scale = 1.0 if contract.step or len(chunks) == 1 else 1.0 / len(chunks)
+    scale = contract.scale(len(chunks))
     if precision.dtype != torch.float32:
         inputs = cast_floats(inputs, precision.dtype)
     with torch.enable_grad():
         for start, stop in chunks:
             with precision.forward():
-                outputs = call_with(model, rows_of(inputs, start, stop, n))
+                outputs = call_with(model, contract.inputs_for(rows_of(inputs, start, stop, n), targets))
             outputs = cast_floats(outputs, torch.float32, LOW_DTYPES)  # the loss in float32 (training's .float())
             precision.backward(contract.value(outputs, rows_of(targets, start, stop, n), targets) * scale)
     skipped = precision.step(Held(precision.params)) if precision.params else False
@@ -135,8 +135,8 @@ def flat(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(-1).double() for g in grads]) if grads else torch.zeros(0, dtype=torch.float64)
 
 
-def precision_drift(model: nn.Module, inputs: Any, targets: Any, loss: Callable[..., torch.Tensor] | None = None,
-                    *, micro_batch: int, num_accum: int, precision: PrecisionConfig | str) -> PrecisionDrift:
+def precision_drift(model: nn.Module, inputs: Any, targets: Any,
+                    loss: Callable[..., torch.Tensor] | LossContract | str | None = None, *, micro_batch: int, num_accum: int, precision: PrecisionConfig | str) -> PrecisionDrift:
     """One training step of `model` (its training flags as they are; the model itself untouched) under
     `precision` (a PrecisionConfig, or gaexp's name: bf16, fp16, bf16w, bf16w-acc32), taken as `num_accum`
     micro-batches of `micro_batch` and as one batch, each against the same step in float64: a float64 copy of
@@ -147,7 +147,7 @@ def precision_drift(model: nn.Module, inputs: Any, targets: Any, loss: Callable[
     skips (Inf or NaN in a scaled gradient) is taken again at the halved scale, up to BACKOFFS times; a step
     still not finite, or one with no scaler, raises NonFiniteError. `worse`: `measurably_worse`."""
     p = precision_config_of(precision)
-    contract = loss_contract(loss)
+    contract = loss if isinstance(loss, LossContract) else loss_contract(loss)
     n = micro_batch * num_accum
     chunks = [(i * micro_batch, (i + 1) * micro_batch) for i in range(num_accum)]
     device = next((q.device for q in model.parameters()), torch.device("cpu"))

@@ -1,9 +1,14 @@
 """One forward pass, recorded: each module's calls (its inputs and output), and the draws each module's own code
-makes from the random streams.
+makes from the random streams. An argument that is neither a tensor nor an immutable value (a KV cache, a
+generator: state the module may change) is kept as a copy taken when the module was called (`Stateful`), and
+copied again for each later call, so calling a module again never sees what its first call did to it.
 """
 
 from __future__ import annotations
 
+import copy
+import enum
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +18,76 @@ from torch.utils._pytree import tree_map
 
 from gaexp.check.state import Streams
 from gaexp.check.trees import module_label, nonfinite
+
+
+IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, slice, range, type(Ellipsis), enum.Enum, type,
+             torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format, types.FunctionType,
+             types.BuiltinFunctionType, types.MethodType)
+
+
+class Untestable(Exception):
+    """A module's recorded call that cannot be made again: the reason, for the report."""
+
+
+@dataclass(frozen=True)
+class Stateful:
+    """A non-tensor argument as it was when the module was called: a deep copy (`fresh` copies it again for each
+    later call), or why none could be made."""
+    type: str
+    copy: Any = None
+    problem: str = ""
+
+    @staticmethod
+    def of(obj: Any) -> Any:
+        """The argument to keep: an immutable value as it is, anything else as a Stateful copy."""
+        if isinstance(obj, IMMUTABLE):
+            return obj
+        try:
+            return Stateful(type(obj).__name__, detached_copy(obj))
+        except Exception as e:  # noqa: BLE001 - any object the user's model passes: the reason, said later
+            return Stateful(type(obj).__name__, problem=f"{type(e).__name__}: {e}".splitlines()[0][:160])
+
+    def fresh(self) -> Any:
+        if self.problem:
+            raise Untestable(f"its argument of type {self.type} cannot be copied ({self.problem})")
+        try:
+            return detached_copy(self.copy)
+        except Exception as e:  # noqa: BLE001 - as above
+            raise Untestable(f"its argument of type {self.type} cannot be copied ({type(e).__name__}: {e})"
+                             .splitlines()[0]) from None
+
+
+def tensors_in(obj: Any, found: dict[int, torch.Tensor], seen: set[int], depth: int = 0) -> None:
+    """The tensors an object holds, through its containers, attributes and slots (at most 12 levels down)."""
+    if id(obj) in seen or depth > 12 or isinstance(obj, IMMUTABLE):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found[id(obj)] = obj
+        return
+    children: list[Any] = []
+    if isinstance(obj, dict):
+        children += [*obj.keys(), *obj.values()]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children += list(obj)
+    children += list(getattr(obj, "__dict__", {}).values())
+    children += [getattr(obj, s) for c in type(obj).__mro__ for s in getattr(c, "__slots__", ()) if hasattr(obj, s)]
+    for child in children:
+        tensors_in(child, found, seen, depth + 1)
+
+
+def detached_copy(obj: Any) -> Any:
+    """A deep copy whose tensors are detached clones (deepcopy alone refuses a tensor inside an autograd graph, as a
+    KV cache's keys are in training)."""
+    found: dict[int, torch.Tensor] = {}
+    tensors_in(obj, found, set())
+    memo: dict[int, Any] = {key: t.detach().clone() for key, t in found.items()}
+    return copy.deepcopy(obj, memo)
+
+
+def fresh(obj: Any) -> Any:
+    """A recorded argument for another call: a Stateful one copied anew, anything else as it is."""
+    return obj.fresh() if isinstance(obj, Stateful) else obj
 
 
 @dataclass
@@ -39,10 +114,12 @@ class Recorder:
         self._handles: list[Any] = []
         self._last: tuple | None = None
 
-    def _copy(self, obj: Any) -> Any:
+    def _copy(self, obj: Any, arguments: bool = False) -> Any:
+        """Tensors detached and cloned (once per tensor and version); for arguments, any other mutable leaf kept as
+        a Stateful copy (an output's, such as the cache a model returns, is kept as it is: the loss may read it)."""
         def one(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
-                return t
+                return Stateful.of(t) if arguments else t
             seen = self._memo.get(id(t))
             if seen is not None and seen[0] is t and seen[1] == t._version:
                 return seen[2]
@@ -66,7 +143,7 @@ class Recorder:
             def before(m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
                 self._tick()
                 self._stack.append(name)
-                self._open.setdefault(name, []).append(Call(self._copy(args), self._copy(kwargs)))
+                self._open.setdefault(name, []).append(Call(self._copy(args, True), self._copy(kwargs, True)))
 
             def after(m: nn.Module, args: tuple, kwargs: dict, output: Any, name: str = name) -> None:
                 self._tick()

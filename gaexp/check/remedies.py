@@ -1,6 +1,8 @@
 """Why a step is not safe to accumulate, in words (`causes_of`), and what to change (`remedies_for`): gaexp's
 `norm=` choices for a gaexp model, or the change to one's own model, each with what gaexp's study measured
-(gaexp/check/evidence.py); a loss's normalisation; in-batch negatives.
+(gaexp/check/evidence.py); a loss's normalisation; in-batch negatives; an auxiliary loss over the batch (a
+router's load balancing). A loss computed in the model's forward is said term by term, and for a transformers model
+in transformers' terms (`num_items_in_batch`, `output_router_logits`, the Trainer).
 """
 
 from __future__ import annotations
@@ -10,12 +12,37 @@ from typing import Sequence
 from torch import nn
 
 from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES, STUDY_GROUPS
-from gaexp.check.loss import STEP_TARGETS
-from gaexp.check.report import BufferDiff, Coupling, listed_names
+from gaexp.check.loss import NUM_ITEMS, STEP_TARGETS, LossContract
+from gaexp.check.report import GIVEN, BufferDiff, Coupling, LossTerm, listed_names
 from gaexp.norms import NORMS
 
 
-def causes_of(modules: list[Coupling], buffers: list[BufferDiff], loss_coupling: str, unexplained: bool) -> list[str]:
+def term_cause(t: LossTerm, contract: LossContract, terms: Sequence[LossTerm]) -> str:
+    """Why one term of a loss computed in the model's forward is not the big batch's."""
+    through = f" through {listed_names(t.via, 3)}" if t.via else ""
+    others = [o.name for o in terms if o.kind == "batch" and o.name != GIVEN]
+    if t.name == GIVEN and t.kind == "batch" and others:
+        return (f"the loss as given agrees{through} and differs by its term{'s' * (len(others) > 1)} "
+                f"{', '.join(others)}, below")
+    if t.kind == "count":
+        counts = f" ({', '.join(map(str, t.counts))} valid items in the {len(t.counts)} micro-batches)" if t.counts \
+            else ""
+        return (f"{t.name} is a mean over each micro-batch's own count of valid items{counts}: each micro-batch's "
+                f"gradient{through} is the whole batch's times a factor of its own, so short sequences and "
+                "sparsely labelled micro-batches weigh more than in the big batch")
+    if t.kind == "samples":
+        return (f"{t.name} couples the samples of a batch{through}: a sample's gradient depends on the other samples "
+                "of its micro-batch (in-batch negatives: a contrastive loss normalises each sample's similarities "
+                "over the others, b - 1 of them instead of b*k - 1)")
+    scaled = ("; and with the loss taken whole, not scaled by 1/k, it counts in full once per micro-batch, k times"
+              if contract.step and t.name != GIVEN else "")
+    return (f"{t.name} is computed over the whole micro-batch and reaches the weights through no per-sample output: "
+            "an auxiliary loss from the batch's statistics (a router's load balancing, from each micro-batch's "
+            f"token fractions per expert, balances each micro-batch instead of the step){scaled}")
+
+
+def causes_of(modules: list[Coupling], buffers: list[BufferDiff], loss_coupling: str, unexplained: bool,
+              terms: Sequence[LossTerm] = (), contract: LossContract | None = None) -> list[str]:
     causes = []
     for kind in dict.fromkeys(c.type for c in modules):
         of_kind = [c for c in modules if c.type == kind]
@@ -27,7 +54,9 @@ def causes_of(modules: list[Coupling], buffers: list[BufferDiff], loss_coupling:
         names = ", ".join(dict.fromkeys(b.name.rpartition(".")[2] for b in buffers if b.type == kind))
         causes.append(f"{len(owners)} {kind} module{'s' * (len(owners) > 1)} end the step with different buffers "
                       f"({names}): updated once per micro-batch, not once per step")
-    if loss_coupling == "count":
+    if terms and contract is not None:
+        causes += [term_cause(t, contract, terms) for t in terms if t.kind]
+    elif loss_coupling == "count":
         causes.append("the loss normalises each micro-batch by a count of its own: each micro-batch's gradient is "
                       "the whole batch's times a factor that differs between micro-batches (a mean over a count "
                       "that varies: valid tokens, masked labels)")
@@ -74,8 +103,40 @@ def in_your_model_text(choice: str, channels: Sequence[int]) -> str:
         f": {STUDY_GROUPS} groups must divide C)"
 
 
+COUNT_REMEDY_HF = (f"give the model the step's count of valid tokens, {NUM_ITEMS}, summed over all k micro-batches, and "
+                   "take its loss whole, with no 1/k: transformers' Trainer does this itself when the model's forward "
+                   f"takes **kwargs (model_accepts_loss_kwargs) or with a compute_loss_func(outputs, labels, "
+                   f"{NUM_ITEMS}); in a loop of your own, model(**batch, {NUM_ITEMS}=N) (gaexp-check "
+                   "--num-items-in-batch checks it)")
+SAMPLES_REMEDY = ("in-batch negatives: no accumulation is exact; cache the gradient (GradCache): the step's embeddings "
+                  "first without a graph, the loss and its gradient with respect to them over the whole step, then "
+                  "each micro-batch again, back-propagating its slice (sentence-transformers' "
+                  "CachedMultipleNegativesRankingLoss, CachedGISTEmbedLoss); or use a per-sample loss")
+BATCH_REMEDY = ("balance over the step, not the micro-batch: count the tokens each expert received over the step's k "
+                "micro-batches, then one balancing loss (global-batch balancing: Qwen's arXiv 2501.11873, "
+                "Megatron-LM's global auxiliary loss); or use a per-sample loss")
+BATCH_REMEDY_HF = (BATCH_REMEDY + "; in transformers, output_router_logits=True returns each micro-batch's "
+                   "router_logits to count from, and router_aux_loss_coef=0 leaves the balancing out")
+
+
+def term_remedies(terms: Sequence[LossTerm], hf: bool) -> list[str]:
+    """One remedy per kind of coupling among a loss's terms, in transformers' terms for a transformers model."""
+    kinds = dict.fromkeys(t.kind for t in terms if t.kind)
+    remedies = []
+    if "count" in kinds:
+        remedies.append(COUNT_REMEDY_HF if hf else "sum the loss and divide by the step's total count over all its "
+                        f"micro-batches, with no 1/k ({NUM_ITEMS} given to a loss that takes it, as the Trainer does)")
+    if "samples" in kinds:
+        remedies.append(SAMPLES_REMEDY)
+    if "batch" in kinds:
+        remedies.append(BATCH_REMEDY_HF if hf else BATCH_REMEDY)
+    return remedies
+
+
 def remedies_for(modules: list[Coupling], buffers: list[BufferDiff], owners: dict[str, nn.Module],
-              loss_coupling: str, step: bool, norm_choices: bool) -> list[str]:
+              loss_coupling: str, contract: LossContract, norm_choices: bool, terms: Sequence[LossTerm] = (),
+              hf: bool = False) -> list[str]:
+    step = contract.step
     remedies = []
     named = {c.module for c in modules} | {b.module for b in buffers}
     batchnorm = any(isinstance(owners[m], nn.modules.batchnorm._BatchNorm) for m in named)
@@ -97,7 +158,9 @@ def remedies_for(modules: list[Coupling], buffers: list[BufferDiff], owners: dic
     if any(not isinstance(owners[m], nn.modules.batchnorm._BatchNorm) for m in named):
         remedies.append("other coupling modules: compute their statistics per sample (GroupNorm, LayerNorm), or "
                         "once over the whole step before its micro-batches")
-    if loss_coupling == "count":
+    if terms:
+        remedies += term_remedies(terms, hf)
+    elif loss_coupling == "count":
         remedies.append("sum the loss and divide by the step's total count over all its micro-batches, with no 1/k"
                         + ("" if step else f" (a loss taking a third argument or a {STEP_TARGETS}= keyword is "
                                            "given the step's targets)"))

@@ -42,6 +42,20 @@ class RandomModule:
     found: str  # how: "draws from torch's random stream", ..., or "its output varies on the same input"
 
 
+GIVEN = "the loss as given"  # the first of a loss's terms (gaexp.check.terms): what the step back-propagates
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A term of a loss computed in the model's forward (gaexp.check.terms): the loss as given, or a loss-like
+    output (aux_loss), its gradient through the model both ways."""
+    name: str  # "the loss as given", or the output's name ("aux_loss")
+    rel: float  # its accumulated gradient against the big batch's, over the parameters
+    kind: str  # "" agrees, "count" (normalised per micro-batch), "samples" (in-batch negatives), "batch" (over the batch)
+    via: list[str]  # the outputs carrying the samples that its gradient reaches (logits, text_embeds)
+    counts: list[int]  # for "count": each micro-batch's count of valid target items
+
+
 @dataclass
 class Report:
     safe: bool
@@ -58,7 +72,7 @@ class Report:
     loss_couples: bool
     unexplained: bool  # the gradients differ and no module, buffer or the loss accounts for it
     stochastic: list[RandomModule]  # random modules, checked with their training flag off
-    untested: list[str]  # modules whose tensors carry no batch axis
+    untested: list[str]  # modules not tested: their tensors carry no batch axis, or they could not be called again
     remedies: list[str]
     seconds: float
     causes: list[str] = field(default_factory=list)
@@ -66,6 +80,8 @@ class Report:
     mode: str = "train"  # "train": every module in training mode; "keep": the flags as the model came
     eval_modules: list[str] = field(default_factory=list)  # modules the model came with in eval mode
     precision: "PrecisionDrift | None" = None  # the step under a precision against float64 (None: float32 only)
+    untested_why: dict[str, str] = field(default_factory=dict)  # of `untested`, those that could not be called again
+    terms: list[LossTerm] = field(default_factory=list)  # a loss computed in the model's forward, term by term
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data; `precision` only where one was measured (float32's is as it always was)."""
@@ -93,6 +109,10 @@ def buffer_parts(diffs: list[BufferDiff]) -> str:
 
 def listed_names(names: list[str], most: int) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+TERM_KINDS = {"": "per-sample", "count": "normalised per micro-batch", "samples": "couples the samples",
+              "batch": "over the whole micro-batch"}
 
 
 def render(r: Report, worst: int = 5) -> str:
@@ -134,9 +154,13 @@ def render(r: Report, worst: int = 5) -> str:
             count = sum(k == kind for _, k in by_module)
             lines.append(f"  {count} {kind} modules{'':<{max(0, 30 - len(kind) - len(str(count)))}} "
                          f"{buffer_parts(diffs)}")
-    kinds = {"": "per-sample", "count": "normalised per micro-batch", "samples": "couples the samples"}
-    lines.append(f"loss: {kinds[r.loss_coupling] if r.loss_couples else 'per-sample'} (relative difference of its "
-                 f"gradient {r.loss_rel:.2g})")
+    if r.terms:
+        lines.append("loss: computed in the model's forward; each term's gradient through the model, both ways:")
+        lines += [f"  {t.name:<40} {TERM_KINDS[t.kind]:<28} {t.rel:.2g}" + (f"  (through {listed_names(t.via, 3)})"
+                                                                          if t.via else "") for t in r.terms]
+    else:
+        lines.append(f"loss: {TERM_KINDS[r.loss_coupling] if r.loss_couples else 'per-sample'} (relative difference "
+                     f"of its gradient {r.loss_rel:.2g})")
     if r.stochastic:
         lines.append(f"random modules, checked with their own training flag off (deterministic, as in evaluation): "
                      f"{len(r.stochastic)}")
@@ -144,9 +168,15 @@ def render(r: Report, worst: int = 5) -> str:
             found = [m for m in r.stochastic if m.found == how]
             kinds_found = ", ".join(f"{sum(m.type == t for m in found)} {t}" for t in dict.fromkeys(m.type for m in found))
             lines.append(f"  {kinds_found} ({how}): {listed_names([module_label(m.module) for m in found], worst)}")
-    if r.untested:
-        lines.append(f"modules whose tensors carry no batch axis, not tested: {len(r.untested)}: "
-                     f"{listed_names(r.untested, worst)}")
+    no_axis = [m for m in r.untested if m not in r.untested_why]
+    if no_axis:
+        lines.append(f"modules whose tensors carry no batch axis, not tested: {len(no_axis)}: "
+                     f"{listed_names(no_axis, worst)}")
+    if r.untested_why:
+        lines.append(f"modules that could not be called again on a micro-batch, not tested: {len(r.untested_why)}")
+        for reason in dict.fromkeys(r.untested_why.values()):
+            named = [m for m, why in r.untested_why.items() if why == reason]
+            lines.append(f"  {listed_names(named, worst)}: {reason}")
     if r.causes:
         lines += ["why:", *(f"  {c}" for c in r.causes)]
     if r.remedies:

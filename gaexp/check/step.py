@@ -33,12 +33,12 @@ def take_step(model: nn.Module, kept: Kept, inputs: Any, targets: Any, n: int, c
     for _, p in params:
         p.grad = None
     whole = len(chunks) == 1
-    scale = 1.0 if contract.step or whole else 1.0 / len(chunks)
+    scale = contract.scale(len(chunks))
     recorder = None
     streams.seed(seed)
     with torch.enable_grad():
         for i, (start, stop) in enumerate(chunks):
-            part = rows_of(inputs, start, stop, n)
+            part = contract.inputs_for(rows_of(inputs, start, stop, n), targets)
             where = "the whole batch" if whole else f"micro-batch {i + 1} of {len(chunks)} (rows {start}:{stop})"
             try:
                 if whole:
