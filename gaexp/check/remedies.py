@@ -21,22 +21,23 @@ def term_cause(t: LossTerm, contract: LossContract, terms: Sequence[LossTerm]) -
     """Why one term of a loss computed in the model's forward is not the big batch's."""
     through = f" through {listed_names(t.via, 3)}" if t.via else ""
     others = [o.name for o in terms if o.kind == "batch" and o.name != GIVEN]
+    name = contract.name if t.name == GIVEN and contract.in_model else t.name
     if t.name == GIVEN and t.kind == "batch" and others:
-        return (f"the loss as given agrees{through} and differs by its term{'s' * (len(others) > 1)} "
+        return (f"{name} agrees{through} and differs by its term{'s' * (len(others) > 1)} "
                 f"{', '.join(others)}, below")
     if t.kind == "count":
         counts = f" ({', '.join(map(str, t.counts))} valid items in the {len(t.counts)} micro-batches)" if t.counts \
             else ""
-        return (f"{t.name} is a mean over each micro-batch's own count of valid items{counts}: each micro-batch's "
+        return (f"{name} is a mean over each micro-batch's own count of valid items{counts}: each micro-batch's "
                 f"gradient{through} is the whole batch's times a factor of its own, so short sequences and "
                 "sparsely labelled micro-batches weigh more than in the big batch")
     if t.kind == "samples":
-        return (f"{t.name} couples the samples of a batch{through}: a sample's gradient depends on the other samples "
+        return (f"{name} couples the samples of a batch{through}: a sample's gradient depends on the other samples "
                 "of its micro-batch (in-batch negatives: a contrastive loss normalises each sample's similarities "
                 "over the others, b - 1 of them instead of b*k - 1)")
     scaled = ("; and with the loss taken whole, not scaled by 1/k, it counts in full once per micro-batch, k times"
               if contract.step and t.name != GIVEN else "")
-    return (f"{t.name} is computed over the whole micro-batch and reaches the weights through no per-sample output: "
+    return (f"{name} is computed over the whole micro-batch and reaches the weights through no per-sample output: "
             "an auxiliary loss from the batch's statistics (a router's load balancing, from each micro-batch's "
             f"token fractions per expert, balances each micro-batch instead of the step){scaled}")
 
