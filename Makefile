@@ -43,7 +43,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "installed: 'source $(VENV)/bin/activate' puts gaexp, gaexp-report, gaexp-check, gaexp-status on PATH"
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	@echo "installing the test tools into $(VENV): pytest, pytest-xdist, Ray (about 0.3 GB more)"
+	@echo "installing the test tools into $(VENV): pytest, pytest-xdist, Ray, transformers, Lightning (about 0.5 GB more)"
 	@$(PIP) -e ".[test]"
 	@touch $@
 

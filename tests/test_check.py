@@ -435,6 +435,88 @@ def test_a_module_without_a_batch_axis_is_untested_never_coupling():
     assert "modules whose tensors carry no batch axis, not tested: 2: 0.positions, 0.mix" in str(report)
 
 
+class Cache:
+    """A KV cache as transformers' DynamicCache behaves: each layer's call appends its keys, along the sequence, to
+    what the cache holds for that layer, and attends over all of it."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        self.keys[layer] = keys if layer not in self.keys else torch.cat([self.keys[layer], keys], dim=1)
+        return self.keys[layer]
+
+
+class CachedLayer(nn.Module):
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer, self.proj = layer, nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        keys = cache.update(self.layer, self.proj(x))  # (b, T, 4): the batch first, as the cache's tensors
+        return x + keys.softmax(-1)[:, -x.shape[1]:]
+
+
+class CachedDecoder(nn.Module):
+    """Two layers handed one cache object, as a decoder with use_cache=True hands its attention layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers, self.head = nn.ModuleList([CachedLayer(0), CachedLayer(1)]), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = Cache()
+        for layer in self.layers:
+            x = layer(x, cache)
+        return self.head(x.mean(1))
+
+
+def test_a_cache_handed_to_layers_is_copied_for_each_call_again_never_a_crash():
+    """Calling a layer again with the object its first call appended to raised 'Sizes of tensors must match'
+    (GPT-2, Llama and Mixtral with their default use_cache=True); each call now gets a copy of the cache as the layer
+    first saw it, and every layer is tested."""
+    torch.manual_seed(0)
+    report = check_accumulation(CachedDecoder(), torch.rand(8, 5, 4), torch.randint(0, 3, (8,)), micro_batch=2,
+                                num_accum=4)
+    assert report.safe and report.untested == [] and report.untested_why == {}, str(report)
+    assert report.gradient_rel < 1e-5
+
+
+class Locked:
+    """An argument nothing can copy (a handle of the user's)."""
+
+    def __deepcopy__(self, memo: dict) -> "Locked":
+        raise TypeError("cannot copy a lock")
+
+
+class TakesHandle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, handle: Locked) -> torch.Tensor:
+        return self.proj(x)
+
+
+class WithHandle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = TakesHandle(), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x, Locked()))
+
+
+def test_a_module_that_cannot_be_called_again_is_untested_with_the_reason_and_the_verdict_stands():
+    torch.manual_seed(0)
+    report = check_accumulation(WithHandle(), torch.rand(8, 4), torch.randint(0, 3, (8,)), micro_batch=2,
+                                num_accum=4)
+    assert report.safe and report.untested_why == {
+        "inner": "its argument of type Locked cannot be copied (TypeError: cannot copy a lock)"}, str(report)
+    assert ("modules that could not be called again on a micro-batch, not tested: 1\n  inner: its argument of type "
+            "Locked cannot be copied (TypeError: cannot copy a lock)") in str(report)
+
+
 # --- non-finite steps are never safe ---------------------------------------------------------------------------
 
 class SqrtOfZero(nn.Module):

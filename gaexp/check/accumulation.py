@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -135,8 +135,10 @@ def _measured(model: nn.Module, inputs: Any, targets: Any, micro_batch: int, num
         if in_model or contract.in_model:  # the loss reads outputs with no batch axis: measured through the model
             terms = measure_terms(model, inputs, targets, contract, n, chunks, root_axes, streams, seed, rtol)
             kept.restore_buffers()
-            loss_rel = terms[0].rel if terms else 0.0
-            loss_coupling = next((t.kind for t in terms if t.kind), "")
+            if modules:  # through the model, a term's difference holds the modules' coupling: not told apart
+                terms = [replace(t, kind="modules", counts=[]) if t.kind else t for t in terms]
+            loss_rel = terms[0].rel if terms and not modules else 0.0
+            loss_coupling = next((t.kind for t in terms if t.kind not in ("", "modules")), "")
         drift = None
         if given.precision is not None and given.precision.name != FP32:  # on copies, with the check's modes
             drift = precision_drift(model, inputs, targets, contract, micro_batch=micro_batch, num_accum=num_accum,

@@ -28,6 +28,10 @@ def term_cause(t: LossTerm, contract: LossContract, terms: Sequence[LossTerm]) -
     if t.kind == "count":
         counts = f" ({', '.join(map(str, t.counts))} valid items in the {len(t.counts)} micro-batches)" if t.counts \
             else ""
+        if t.name == GIVEN and contract.items == "forward":
+            return (f"the model's forward takes {NUM_ITEMS} and ignores it: {name} is still a mean over each "
+                    f"micro-batch's own count of valid items{counts}, and, taken whole with no 1/k as the Trainer "
+                    "takes it, each micro-batch counts in full")
         return (f"{name} is a mean over each micro-batch's own count of valid items{counts}: each micro-batch's "
                 f"gradient{through} is the whole batch's times a factor of its own, so short sequences and "
                 "sparsely labelled micro-batches weigh more than in the big batch")
@@ -56,7 +60,7 @@ def causes_of(modules: list[Coupling], buffers: list[BufferDiff], loss_coupling:
         causes.append(f"{len(owners)} {kind} module{'s' * (len(owners) > 1)} end the step with different buffers "
                       f"({names}): updated once per micro-batch, not once per step")
     if terms and contract is not None:
-        causes += [term_cause(t, contract, terms) for t in terms if t.kind]
+        causes += [term_cause(t, contract, terms) for t in terms if t.kind not in ("", "modules")]
     elif loss_coupling == "count":
         causes.append("the loss normalises each micro-batch by a count of its own: each micro-batch's gradient is "
                       "the whole batch's times a factor that differs between micro-batches (a mean over a count "
@@ -120,11 +124,17 @@ BATCH_REMEDY_HF = (BATCH_REMEDY + "; in transformers, output_router_logits=True 
                    "router_logits to count from, and router_aux_loss_coef=0 leaves the balancing out")
 
 
-def term_remedies(terms: Sequence[LossTerm], hf: bool) -> list[str]:
+def term_remedies(terms: Sequence[LossTerm], hf: bool, contract: LossContract) -> list[str]:
     """One remedy per kind of coupling among a loss's terms, in transformers' terms for a transformers model."""
-    kinds = dict.fromkeys(t.kind for t in terms if t.kind)
+    kinds = dict.fromkeys(t.kind for t in terms if t.kind not in ("", "modules"))
+    ignored = contract.items == "forward" and any(t.name == GIVEN and t.kind == "count" for t in terms)
     remedies = []
-    if "count" in kinds:
+    if "count" in kinds and ignored:
+        remedies.append(f"normalise by the step yourself: give the Trainer a compute_loss_func(outputs, labels, "
+                        f"{NUM_ITEMS}) that sums the token losses and divides by {NUM_ITEMS}, or set "
+                        "model.accepts_loss_kwargs = False so that the Trainer at least divides by k (a mean per "
+                        "micro-batch, still inexact with padding)")
+    elif "count" in kinds:
         remedies.append(COUNT_REMEDY_HF if hf else "sum the loss and divide by the step's total count over all its "
                         f"micro-batches, with no 1/k ({NUM_ITEMS} given to a loss that takes it, as the Trainer does)")
     if "samples" in kinds:
@@ -160,7 +170,7 @@ def remedies_for(modules: list[Coupling], buffers: list[BufferDiff], owners: dic
         remedies.append("other coupling modules: compute their statistics per sample (GroupNorm, LayerNorm), or "
                         "once over the whole step before its micro-batches")
     if terms:
-        remedies += term_remedies(terms, hf)
+        remedies += term_remedies(terms, hf, contract)
     elif loss_coupling == "count":
         remedies.append("sum the loss and divide by the step's total count over all its micro-batches, with no 1/k"
                         + ("" if step else f" (a loss taking a third argument or a {STEP_TARGETS}= keyword is "

@@ -51,7 +51,8 @@ class LossTerm:
     output (aux_loss), its gradient through the model both ways."""
     name: str  # "the loss as given", or the output's name ("aux_loss")
     rel: float  # its accumulated gradient against the big batch's, over the parameters
-    kind: str  # "" agrees, "count" (normalised per micro-batch), "samples" (in-batch negatives), "batch" (over the batch)
+    kind: str  # "" agrees, "count" (normalised per micro-batch), "samples" (in-batch negatives), "batch" (over the batch),
+    # "modules" (differs, and modules couple above: through the model the two are not told apart)
     via: list[str]  # the outputs carrying the samples that its gradient reaches (logits, text_embeds)
     counts: list[int]  # for "count": each micro-batch's count of valid target items
 
@@ -112,7 +113,7 @@ def listed_names(names: list[str], most: int) -> str:
 
 
 TERM_KINDS = {"": "per-sample", "count": "normalised per micro-batch", "samples": "couples the samples",
-              "batch": "over the whole micro-batch"}
+              "batch": "over the whole micro-batch", "modules": "differs with the modules"}
 
 
 def render(r: Report, worst: int = 5) -> str:
