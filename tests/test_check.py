@@ -517,6 +517,36 @@ def test_a_module_that_cannot_be_called_again_is_untested_with_the_reason_and_th
             "Locked cannot be copied (TypeError: cannot copy a lock)") in str(report)
 
 
+class FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises: a failure outside any forward, inside the check's step."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("no gradient through here\nsecond line")
+
+
+class BackwardFails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FailingBackward.apply(self.proj(x))
+
+
+def test_a_failure_in_the_checks_own_steps_is_one_line_naming_the_phase_and_where():
+    with pytest.raises(CheckError) as e:
+        check_accumulation(BackwardFails(), torch.rand(8, 4), torch.randint(0, 3, (8,)), micro_batch=2, num_accum=4)
+    assert str(e.value).startswith("the check failed in the step as one batch: RuntimeError in backward "
+                                   "(test_check.py, line ") and str(e.value).endswith(": no gradient through here")
+    code, text = run(["test_check:BackwardFails", "--input-shape", "4"])
+    assert code == BAD_INPUT and text.startswith("gaexp-check: error: the check failed in the step as one batch")
+
+
 # --- non-finite steps are never safe ---------------------------------------------------------------------------
 
 class SqrtOfZero(nn.Module):

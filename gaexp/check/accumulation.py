@@ -7,6 +7,7 @@ ways with the model and the random streams given back (`_measured`), the gradien
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -110,6 +111,7 @@ def _measured(model: nn.Module, inputs: Any, targets: Any, micro_batch: int, num
     eval_modules = [module_label(name, model) for name, m in model.named_modules() if not m.training]
     kept, streams = Kept(model), Streams(cuda_devices(model))
     outer = streams.state()
+    phase = "finding the random modules on a micro-batch"
     try:
         if modes == "train":
             model.train()
@@ -120,11 +122,15 @@ def _measured(model: nn.Module, inputs: Any, targets: Any, micro_batch: int, num
             raise
         except Exception as e:  # noqa: BLE001 - the user's forward, said in one line
             raise forward_fails(e, rows_of(inputs, 0, micro_batch, n), f"a micro-batch of {micro_batch}") from None
+        phase = "the step as one batch"
         big_grads, big_buffers, full = take_step(model, kept, inputs, targets, n, [(0, n)], contract, streams, seed)
+        phase = f"the step as {num_accum} micro-batches"
         acc_grads, acc_buffers, _ = take_step(model, kept, inputs, targets, n, chunks, contract, streams, seed)
         kept.restore_buffers()
         assert full is not None
+        phase = "calling each module again on its micro-batches"
         modules, untested, untested_why = coupling_modules(model, full, small, n, micro_batch, chunks, rtol)
+        phase = "the loss on the outputs split in micro-batches"
         root_axes = sample_axes(full.calls[""][0].output, small.calls[""][0].output, n, micro_batch)
         outputs = full.calls[""][0].output
         if root_axes is None:
@@ -133,6 +139,7 @@ def _measured(model: nn.Module, inputs: Any, targets: Any, micro_batch: int, num
                                                                   rtol)
         terms: list[LossTerm] = []
         if in_model or contract.in_model:  # the loss reads outputs with no batch axis: measured through the model
+            phase = "the loss's terms through the model"
             terms = measure_terms(model, inputs, targets, contract, n, chunks, root_axes, streams, seed, rtol)
             kept.restore_buffers()
             if modules:  # through the model, a term's difference holds the modules' coupling: not told apart
@@ -141,13 +148,32 @@ def _measured(model: nn.Module, inputs: Any, targets: Any, micro_batch: int, num
             loss_coupling = next((t.kind for t in terms if t.kind not in ("", "modules")), "")
         drift = None
         if given.precision is not None and given.precision.name != FP32:  # on copies, with the check's modes
+            phase = f"the step under precision {given.precision.name}"
             drift = precision_drift(model, inputs, targets, contract, micro_batch=micro_batch, num_accum=num_accum,
                                     precision=given.precision)
+    except (CheckError, NonFiniteError):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the model does to the check's machinery: one line, no traceback
+        raise CheckError(f"the check failed in {phase}: {type(e).__name__}{where_raised(e)}: {e}"
+                         .splitlines()[0][:400]) from None
     finally:
         kept.restore_all()
         streams.set(outer)
     return _Measured(big_grads, acc_grads, big_buffers, acc_buffers, modules, untested, untested_why, loss_rel,
                      loss_coupling, terms, stochastic, eval_modules, drift)
+
+
+def where_raised(e: BaseException) -> str:
+    """ in Module.function (file, line N): the innermost frame of the traceback, with the module it ran in."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    frame = tb.tb_frame
+    owner = frame.f_locals.get("self")
+    name = f"{type(owner).__name__}.{frame.f_code.co_name}" if isinstance(owner, nn.Module) else frame.f_code.co_name
+    return f" in {name} ({os.path.basename(frame.f_code.co_filename)}, line {tb.tb_lineno})"
 
 
 def _gradient_diffs(big_grads: dict[str, torch.Tensor], acc_grads: dict[str, torch.Tensor],

@@ -126,20 +126,31 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
     attrs = vars(c)
     kw: dict[str, Any] = {}
     old_layers = next((attrs[k] for k in LAYER_NAMES if _is_int(attrs.get(k))), None)
+    per_layer = [name for name, value in attrs.items() if isinstance(value, (list, tuple)) and name not in STAGE_LISTS
+                 and old_layers and old_layers > layers and len(value) == old_layers]
+    keep = _kept_layers([attrs[name] for name in per_layer], old_layers or 0, layers)
     for name, value in attrs.items():
         if isinstance(value, PretrainedConfig):
-            kw[name] = type(value)(**_small_kwargs(value, image_size, layers))
+            small = _small_kwargs(value, image_size, layers)
+            if small:
+                kw[name] = type(value)(**small)
         elif name in LAYER_NAMES and _is_int(value) and value > layers:
-            kw[name] = layers
+            kw[name] = len(keep)
         elif name in SIZE_OF and _is_int(value) and value > SIZE_OF[name]:
             kw[name] = SIZE_OF[name]
         elif name.endswith("vocab_size") and _is_int(value) and value > VOCAB:
             kw[name] = VOCAB
         elif name == "vocab_size" and value is None:
             kw[name] = VOCAB
-        elif isinstance(value, (list, tuple)) and name not in STAGE_LISTS and old_layers and old_layers > layers \
-                and len(value) == old_layers:
-            kw[name] = list(value[:layers])
+        elif name in per_layer:
+            kw[name] = [value[i] for i in keep]
+    heads = kw.get("num_attention_heads", attrs.get("num_attention_heads"))
+    if "head_dim" in attrs and attrs["head_dim"] is None and _is_int(heads):
+        kw["head_dim"] = kw.get("hidden_size", attrs.get("hidden_size", HIDDEN)) // heads
+    if _is_int(attrs.get("qk_rope_head_dim")) and attrs.get("head_dim") == attrs["qk_rope_head_dim"]:
+        kw["head_dim"] = kw["qk_rope_head_dim"]  # multi-head latent attention (DeepSeek): rotary on the rope part
+    if "kv_lora_rank" in attrs and _is_int(heads) and _is_int(attrs.get("num_key_value_heads")):
+        kw["num_key_value_heads"] = heads  # ... and as many key-value heads as heads
     stages = next((len(attrs[k]) for k in ("depths", "hidden_sizes") if isinstance(attrs.get(k), (list, tuple))), 0)
     if stages:
         if isinstance(attrs.get("depths"), (list, tuple)):
@@ -174,6 +185,22 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
             elif isinstance(value, list) and any(_is_int(v) and v >= vocab for v in value):
                 kw[name] = [TOKEN_IDS.get(name, 2)]
     return kw
+
+
+def _kept_layers(lists: list[Sequence[Any]], old: int, layers: int) -> list[int]:
+    """The layers a small config keeps of `old`: the first of each kind that a per-layer list of names or flags
+    holds (a hybrid's first attention layer among linear ones, its first sparse MLP; 8 at most), then the first
+    others, `layers` at least."""
+    keep: set[int] = set()
+    for values in lists:
+        if all(isinstance(v, (str, bool)) for v in values):
+            keep |= {list(values).index(kind) for kind in set(values)}
+    keep = set(sorted(keep)[:LAYERS[-1]])
+    i = 0
+    while len(keep) < min(layers, old):
+        keep.add(i)
+        i += 1
+    return sorted(keep)
 
 
 def small_config(model_type: str, task: str, image_size: int = 32, layers: int = LAYERS[0]) -> Any:
