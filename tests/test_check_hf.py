@@ -52,6 +52,17 @@ def test_a_decoder_with_its_default_cache_is_checked_and_its_token_mean_named_wi
     assert "num_items_in_batch" in report.remedies[0] and "Trainer" in report.remedies[0]
 
 
+def test_a_loss_of_ones_own_reading_outputs_loss_is_measured_through_the_model_never_unexplained():
+    """`loss = outputs.loss`, as the Trainer takes it: a scalar output has no batch axis to split, so the loss is
+    measured term by term through the model (it was "the gradients differ while no module ... and not the loss do")."""
+    model = llama()
+    inputs, labels = padded(model)
+    report = check_accumulation(model, inputs, labels, lambda outputs, targets: outputs.loss, micro_batch=2,
+                                num_accum=4)
+    assert not report.safe and not report.unexplained and report.loss_couples, str(report)
+    assert [(t.name, t.kind) for t in report.terms] == [("the loss as given", "count")]
+
+
 def test_the_trainers_num_items_in_batch_fix_is_safe_as_the_gradient_says():
     """With the step's count given to the forward and no 1/k, the gradient is the big batch's to rounding: the
     verdict never contradicts it (it was 'loss: couples', a false alarm, when the scalar loss was split)."""
