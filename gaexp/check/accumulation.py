@@ -24,7 +24,7 @@ from gaexp.check.randomness import switch_off_random
 from gaexp.check.remedies import causes_of, remedies_for
 from gaexp.check.report import BufferDiff, Coupling, LossTerm, RandomModule, Report, TensorDiff
 from gaexp.check.state import Kept, Streams, cuda_devices
-from gaexp.check.step import forward_fails, take_step
+from gaexp.check.step import forward_fails, gradient_diffs, take_step
 from gaexp.check.terms import measure_terms
 from gaexp.check.trees import diff_norms, is_batched, module_label, nonfinite, rel_diff, rows_of, safe_ratio, sample_axes
 from gaexp.config import FP32, PrecisionConfig
@@ -176,21 +176,6 @@ def where_raised(e: BaseException) -> str:
     return f" in {name} ({os.path.basename(frame.f_code.co_filename)}, line {tb.tb_lineno})"
 
 
-def _gradient_diffs(big_grads: dict[str, torch.Tensor], acc_grads: dict[str, torch.Tensor],
-                    rtol: float) -> tuple[list[TensorDiff], float]:
-    """Each parameter's accumulated gradient against the big batch's (flagged above rtol, with a floor for a gradient
-    that is zero up to rounding: its share of the whole gradient's norm), and the relative difference overall."""
-    norms = {key: diff_norms(acc_grads[key], big) for key, big in big_grads.items()}  # (|acc - big|, |big|)
-    total = math.sqrt(sum(ref ** 2 for _, ref in norms.values()))
-    size = sum(g.numel() for g in big_grads.values()) or 1
-    tensors = []
-    for key, big in big_grads.items():
-        diff, ref = norms[key]
-        floor = ref + total * math.sqrt(big.numel() / size)
-        tensors.append(TensorDiff(key, safe_ratio(diff, ref), diff > rtol * floor))
-    return tensors, safe_ratio(math.sqrt(sum(diff ** 2 for diff, _ in norms.values())), total)
-
-
 def scalar_text(t: torch.Tensor) -> str:
     return f"{t.item():g}" if t.numel() == 1 else ""
 
@@ -243,7 +228,7 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any = None,
     given = _checked(model, inputs, targets, loss, micro_batch, num_accum, rtol, modes, precision, num_items_in_batch)
     m = _measured(model, inputs, targets, micro_batch, num_accum, seed, modes, given)
     rtol, contract = given.rtol, given.contract
-    tensors, gradient_rel = _gradient_diffs(m.big_grads, m.acc_grads, rtol)
+    tensors, gradient_rel = gradient_diffs(m.big_grads, m.acc_grads, rtol)
     owners = dict(model.named_modules())
     buffers = _buffer_diffs(m.big_buffers, m.acc_buffers, owners, rtol)
     loss_couples = m.loss_rel > rtol

@@ -46,9 +46,14 @@ def task_of(config: Any, task: str | None) -> str:
         if task not in TASKS:
             raise CheckError(f"--task {task!r}; valid: {', '.join(TASKS)}")
         return task
+    from transformers.models.auto import modeling_auto as auto
+
+    heads = {"causal-lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked-lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+             "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+             "image-classification": auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
     for arch in getattr(config, "architectures", None) or []:
-        for name, (_, ending) in TASKS.items():
-            if name != "contrastive" and arch.endswith(ending):
+        for name, (_, ending) in TASKS.items():  # GPT2LMHeadModel is causal-lm by its Auto class's mapping
+            if name != "contrastive" and (arch.endswith(ending) or arch in heads[name].values()):
                 return name
     if getattr(config, "text_config", None) is not None and getattr(config, "vision_config", None) is not None:
         return "contrastive"

@@ -4,6 +4,7 @@ gradients, its buffers, and the whole batch's recorded forward.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -13,8 +14,9 @@ from torch.utils._pytree import tree_leaves
 from gaexp.check.errors import CheckError, NonFiniteError
 from gaexp.check.loss import LossContract
 from gaexp.check.recorder import Recorder
+from gaexp.check.report import TensorDiff
 from gaexp.check.state import Kept, Streams
-from gaexp.check.trees import call_with, nonfinite, rows_of
+from gaexp.check.trees import call_with, diff_norms, nonfinite, rows_of, safe_ratio
 
 
 def forward_fails(e: Exception, inputs: Any, what: str) -> CheckError:
@@ -65,3 +67,18 @@ def take_step(model: nn.Module, kept: Kept, inputs: Any, targets: Any, n: int, c
             raise NonFiniteError(f"the gradient of {key} is {value} after the step of "
                                  f"{'the whole batch' if whole else f'{len(chunks)} micro-batches'}, the loss finite")
     return gradients, {k: b.detach().clone() for k, b in model.named_buffers()}, recorder
+
+
+def gradient_diffs(big_grads: dict[str, torch.Tensor], acc_grads: dict[str, torch.Tensor],
+                    rtol: float) -> tuple[list[TensorDiff], float]:
+    """Each parameter's accumulated gradient against the big batch's (flagged above rtol, with a floor for a gradient
+    that is zero up to rounding: its share of the whole gradient's norm), and the relative difference overall."""
+    norms = {key: diff_norms(acc_grads[key], big) for key, big in big_grads.items()}  # (|acc - big|, |big|)
+    total = math.sqrt(sum(ref ** 2 for _, ref in norms.values()))
+    size = sum(g.numel() for g in big_grads.values()) or 1
+    tensors = []
+    for key, big in big_grads.items():
+        diff, ref = norms[key]
+        floor = ref + total * math.sqrt(big.numel() / size)
+        tensors.append(TensorDiff(key, safe_ratio(diff, ref), diff > rtol * floor))
+    return tensors, safe_ratio(math.sqrt(sum(diff ** 2 for diff, _ in norms.values())), total)

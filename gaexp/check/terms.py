@@ -12,7 +12,6 @@ auxiliary loss over the micro-batch's statistics: a router's load balancing).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -23,8 +22,8 @@ from gaexp.check.errors import CheckError, NonFiniteError
 from gaexp.check.loss import IGNORE_INDEX, LossContract, split_kind
 from gaexp.check.report import GIVEN, LossTerm
 from gaexp.check.state import Streams
-from gaexp.check.step import forward_fails
-from gaexp.check.trees import call_with, diff_norms, rows_of, safe_ratio
+from gaexp.check.step import forward_fails, gradient_diffs
+from gaexp.check.trees import call_with, rows_of
 
 
 
@@ -67,7 +66,8 @@ def measure_terms(model: nn.Module, inputs: Any, targets: Any, contract: LossCon
     k micro-batches (each scaled as the contract scales the loss): the relative difference over the parameters,
     the outputs carrying the samples that the term's gradient reaches, and the kind of its coupling. `axes`: each
     output leaf's sample axis (None: none)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(key, p) for key, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     scale = contract.scale(len(chunks))
     names: list[str] = []  # each output leaf's name, from the first pass
     exposed: list[int] = []  # the loss-like outputs, from the first pass (the whole batch's)
@@ -130,13 +130,14 @@ def measure_terms(model: nn.Module, inputs: Any, targets: Any, contract: LossCon
         big, acc = big_sums[t], acc_sums[t]
         if big is None or acc is None:
             continue
-        norms = [diff_norms(a, b) for a, b in zip(acc, big)]
-        rel = safe_ratio(math.sqrt(sum(d * d for d, _ in norms)), math.sqrt(sum(r * r for _, r in norms)))
+        tensors, rel = gradient_diffs({key: g for (key, _), g in zip(named, big)},
+                                      {key: g for (key, _), g in zip(named, acc)}, rtol)
+        differs = rel > rtol or any(t.flagged for t in tensors)
         whole = big_pass[0][t]
         parts = [p[t] for p in acc_passes]
         via = [names[i] for i, g in enumerate(whole) if g is not None and bool(g.ne(0).any())]
         kind = ""
-        if rel > rtol:
+        if differs:
             worst, split = split_kind(whole, parts, axes, chunks, scale, rtol)
             kind = split if via and worst > rtol else "batch"
         results.append(LossTerm(label, rel, kind, via, counts if kind == "count" else []))

@@ -44,7 +44,7 @@ N, MICRO, SEQ_LEN = 8, 2, 16  # the step: 8 samples, as 4 micro-batches of 2; to
 TRUTH_RTOL = 1e-9  # float64: a micro-batch's logits further than this from the whole batch's rows couple
 IMAGE_SIZES = (32, 64, 96, 128, 224)  # the ladder of square images, smallest first, for a model that refuses 32
 TIMEOUT = 300.0
-FAILING = ("crash", "false alarm", "miss", "timeout")  # outcomes that make the command exit 1
+FAILING = ("crash", "false alarm", "miss")  # outcomes that make the command exit 1, and a timeout in the check
 
 # The sizes a config names, shrunk: each attribute present as an int (in the config or a sub-config) larger than the
 # value it is listed under is given that value.
@@ -64,8 +64,8 @@ SIZES = [
     (0, ("num_kv_shared_layers",)),
     (HEAD_DIM, ("head_dim", "d_kv", "d_head", "attention_head_size", "kv_channels", "dim_head", "attention_head_dim",
                 "v_head_dim", "qk_head_dim", "linear_key_head_dim", "linear_value_head_dim", "q_lora_rank",
-                "kv_lora_rank", "swa_head_dim")),
-    (8, ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim")),
+                "kv_lora_rank", "swa_head_dim", "mamba_headdim", "mamba_d_head")),
+    (8, ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim", "mamba_n_heads")),
     (FFN, ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "encoder_ffn_dim", "decoder_ffn_dim",
            "d_inner", "dim_ff", "dff", "intermediate_size_mlp", "feed_forward_size", "mlp_dim")),
     (32, ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
@@ -81,11 +81,27 @@ STAGE_LISTS = ("depths", "hidden_sizes", "num_heads", "num_attention_heads", "em
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sep_token_id": 3, "cls_token_id": 4,
              "mask_token_id": 5, "unk_token_id": 6, "decoder_start_token_id": 0}  # a special id outside the small
 # vocabulary becomes this; any other (an image token) one from the top of the vocabulary down
-OVERRIDES: dict[str, dict[str, Any]] = {  # what the rules above cannot know, by model type (or MODEL_TYPE:TASK)
+KEEP = "default"  # in OVERRIDES: the config class's default, not shrunk
+OVERRIDES: dict[str, dict[str, Any]] = {  # what the rules above cannot know, by model type (of the config or of one of
+    # its sub-configs), or MODEL_TYPE:TASK for the top config of that task's row
+    "bamba": {"attn_layer_indices": [1]},  # its default has no attention layer, which its forward refuses
+    "deepseek_v2": {"num_experts_per_tok": 2},  # its default, None, is no number of experts
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "dots3_note_text": {"adapter_in_dim": HIDDEN},
+    "esmc": {"num_key_value_heads": HEADS},  # no grouped-query attention
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "hgnet_v2": {"hidden_sizes": KEEP},  # the classifier reads the widths of its stage_*_channels lists
+    "layoutlmv3": {"coordinate_size": 12, "shape_size": 8},  # 4 coordinates and 2 sizes make the hidden size
+    "levit": {"patch_size": KEEP},  # its stem's four stride-2 convolutions are its patches
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "lilt": {"hidden_size": 48},  # its 6 box embeddings of hidden_size // 6 make the hidden size
     "mamba2": {"num_heads": 8},  # hidden_size * expand must equal num_heads * head_dim
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 4},
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4], "lsh_attn_chunk_length": 4,
                  "local_attn_chunk_length": 4, "max_position_embeddings": 16},
     "reformer:causal-lm": {"is_decoder": True},
+    "textnet": {"hidden_sizes": KEEP, "depths": KEEP},  # its kernel lists have an entry a block
 }
 DROPOUT_WORDS = ("dropout", "drop_path", "droppath", "layerdrop", "drop_rate", "drop_prob", "jitter", "stochastic_depth")
 RANDOM_MODULES = ("Dropout", "DropPath", "StochasticDepth")
@@ -147,10 +163,14 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
     heads = kw.get("num_attention_heads", attrs.get("num_attention_heads"))
     if "head_dim" in attrs and attrs["head_dim"] is None and _is_int(heads):
         kw["head_dim"] = kw.get("hidden_size", attrs.get("hidden_size", HIDDEN)) // heads
+    if "num_key_value_heads" in attrs and attrs["num_key_value_heads"] is None and _is_int(heads):
+        kw["num_key_value_heads"] = KV_HEADS  # None: as many as heads (Nemotron); grouped-query attention here
     if _is_int(attrs.get("qk_rope_head_dim")) and attrs.get("head_dim") == attrs["qk_rope_head_dim"]:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # multi-head latent attention (DeepSeek): rotary on the rope part
     if "kv_lora_rank" in attrs and _is_int(heads) and _is_int(attrs.get("num_key_value_heads")):
         kw["num_key_value_heads"] = heads  # ... and as many key-value heads as heads
+    if "vocab_size" in attrs and attrs["vocab_size"] is None:  # a vocabulary the config leaves open (ESM): its ids
+        kw.update({name: small for name, small in TOKEN_IDS.items() if name in attrs and attrs[name] is None})
     stages = next((len(attrs[k]) for k in ("depths", "hidden_sizes") if isinstance(attrs.get(k), (list, tuple))), 0)
     if stages:
         if isinstance(attrs.get("depths"), (list, tuple)):
@@ -166,7 +186,7 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
         if _is_int(attrs.get("num_heads")) or _is_int(attrs.get("num_attention_heads")):
             kw.pop("num_heads", None), kw.pop("num_attention_heads", None)
     if isinstance(attrs.get("intermediate_size"), (list, tuple)):
-        kw["intermediate_size"] = [FFN] * len(attrs["intermediate_size"])
+        kw["intermediate_size"] = [FFN] * len(kw.get("intermediate_size", attrs["intermediate_size"]))
     if _is_int(attrs.get("image_size")):
         kw["image_size"] = image_size
     elif isinstance(attrs.get("image_size"), (list, tuple)) and len(attrs["image_size"]) == 2:
@@ -184,6 +204,11 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
                 spare -= name not in TOKEN_IDS
             elif isinstance(value, list) and any(_is_int(v) and v >= vocab for v in value):
                 kw[name] = [TOKEN_IDS.get(name, 2)]
+    for name, value in OVERRIDES.get(getattr(c, "model_type", ""), {}).items():
+        if value == KEEP:
+            kw.pop(name, None)
+        else:
+            kw[name] = value
     return kw
 
 
@@ -209,11 +234,18 @@ def small_config(model_type: str, task: str, image_size: int = 32, layers: int =
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    kw = {**_small_kwargs(cls(), image_size, layers), **OVERRIDES.get(model_type, {}),
-          **OVERRIDES.get(f"{model_type}:{task}", {})}
+    kw = {**_small_kwargs(cls(), image_size, layers), **OVERRIDES.get(f"{model_type}:{task}", {})}
     config = cls(**kw)
+    if not getattr(config, "architectures", None):  # the Auto class picks among several classes by it
+        from transformers.models.auto import modeling_auto
+
+        arch = getattr(modeling_auto, MAPPINGS[task]).get(model_type)
+        config.architectures = [arch if isinstance(arch, str) else arch[0]]
+    for c in _configs(config) if task == "sequence-classification" else []:
+        if "pad_token_id" in vars(c) and c.pad_token_id is None:
+            c.pad_token_id = 0  # a decoder's classifier finds each row's last token by the pad token (as hf.load)
     if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = 0  # a decoder's classifier finds each row's last token by the pad token (as hf.load)
+        config.pad_token_id = 0
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0  # T5's: the decoder starts at pad
     return config
@@ -285,13 +317,16 @@ def _rel(a: Any, b: Any) -> float:
 
 def deterministic_copy(model: Any) -> Any:
     """A float64 copy in training mode with its random layers off: modules named *Dropout*, *DropPath*,
-    *StochasticDepth* in eval mode, every float dropout/drop-path/jitter rate of its config(s) and modules 0."""
+    *StochasticDepth* in eval mode with their p 0, every float dropout/drop-path/jitter rate of its config(s) and
+    modules 0."""
     twin = copy.deepcopy(model).double().train()
     from_hf = hasattr(twin, "config")
     configs = _configs(twin.config) if from_hf else []
     for m in twin.modules():
         if any(w in type(m).__name__ for w in RANDOM_MODULES):
             m.eval()
+            if isinstance(getattr(m, "p", None), float):
+                m.p = 0.0  # an attention reads its dropout's p when the attention itself is in training mode
         for name, value in list(vars(m).items()):
             if isinstance(value, float) and any(w in name.lower() for w in DROPOUT_WORDS):
                 setattr(m, name, 0.0)
@@ -523,6 +558,11 @@ def judge(row: dict[str, Any]) -> Judged:
     return Judged(row, worst[0], [note for outcome, note in outcomes if outcome == worst[0] and note])
 
 
+def failing(j: Judged) -> bool:
+    """A crash, a false alarm, a miss, or the check itself past the time limit (a hang)."""
+    return j.outcome in FAILING or (j.outcome == "timeout" and j.row.get("timeout") == "check")
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -566,7 +606,8 @@ def run_row(name: str, seeds: Sequence[int], timeout: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         phases = [line.split(": ", 1)[1] for line in err.splitlines() if line.startswith("phase: ")]
-        return {**row, "timeout": True, "error": f"took over {timeout:.0f} s (in: {phases[-1] if phases else 'start'})"}
+        phase = phases[-1] if phases else "start"
+        return {**row, "timeout": phase, "error": f"took over {timeout:.0f} s (in: {phase})"}
     last = [line for line in done.stdout.strip().splitlines() if line.startswith("{")][-1:]
     if done.returncode != 0 or not last:
         why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
@@ -629,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raw.close()
         with open(args.output, "w") as f:
             f.write(text + "\n")
-    sys.exit(1 if any(j.outcome in FAILING for j in judged) else 0)
+    sys.exit(1 if any(failing(j) for j in judged) else 0)
 
 
 if __name__ == "__main__":
