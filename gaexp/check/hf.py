@@ -124,7 +124,7 @@ def _tokens(config: Any, n: int, seq_len: int, pad: str, micro_batch: int, gener
     if not isinstance(vocab, int) or vocab < 2:
         raise CheckError(f"the model's config has vocab_size={vocab!r}; the text tasks draw tokens from it")
     limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and seq_len > limit:
+    if isinstance(limit, int) and 0 < limit < seq_len:  # XLNet says -1: no limit
         raise CheckError(f"--seq-len {seq_len}: the model takes at most {limit} positions (max_position_embeddings)")
     pad_id = getattr(config, "pad_token_id", None)
     pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else 0
