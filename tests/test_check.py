@@ -819,3 +819,12 @@ def test_the_groupnorm_remedy_names_a_group_count_that_divides_each_layer():
     said = {int(c): int(g) for g, c in re.findall(r"nn.GroupNorm\((\d+), C\) for C = (\d+)", remedy)}
     assert not check_accumulation(model(lambda c: nn.GroupNorm(said.get(c, 16), c)), inputs, labels,
                                   micro_batch=2, num_accum=4).causes
+
+
+def test_transformers_and_lightning_are_imported_only_by_the_check_of_a_transformers_model():
+    """They are optional (gaexp[hf], gaexp[lightning]): the command, the application and the check's package load
+    without them."""
+    probe = ("import sys, gaexp.app, gaexp.check, gaexp.check.cli; "
+             "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr

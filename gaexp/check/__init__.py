@@ -14,7 +14,9 @@ what differs and why:
   tensors carry no such axis is listed as untested, never as coupling;
 - the buffers that end the step differently (BatchNorm's running statistics: k updates instead of one);
 - the loss: its gradient with respect to the model's outputs, the full batch's outputs split in k, both ways
-  (a mean over a count that varies between micro-batches, in-batch negatives), and which of the two it is.
+  (a mean over a count that varies between micro-batches, in-batch negatives), and which of the two it is; a loss
+  computed in the model's forward (transformers' `outputs.loss`, `aux_loss`), which no split of the outputs can
+  tell, term by term through the model (terms.py), with a router's auxiliary loss over the batch as a third kind.
 
 Random modules are found by what their own code does, not by what reaches the output: a module whose own
 `forward` draws from torch's, Python's or NumPy's random stream (dropout, stochastic depth, `F.dropout` or a
@@ -33,17 +35,21 @@ is measurably further from float64 than the big batch (`measurably_worse`), and 
 
 Nothing here knows about Hydra, MLflow or gaexp's datasets, and gaexp's own study only as the figures its remedies cite
 (evidence.py). The wing, bottom up: errors, evidence, trees (batches as nested structures), state (kept and given
-back), recorder (one forward recorded), loss, numerics (under a precision), report (and `render`), randomness,
-step, coupling, remedies, accumulation (`check_accumulation`); cli is the command around it, `gaexp-check`
-(`python -m gaexp.check`).
+back), recorder (one forward recorded, a mutable argument such as a KV cache kept as a copy), loss, numerics (under
+a precision), report (and `render`), randomness, step, coupling, terms, remedies, accumulation
+(`check_accumulation`); hf (transformers models and their tasks' inputs, offline), first_step and the trainers'
+callbacks (hf_callback, lightning_callback: transformers and Lightning imported there only); cli is the command
+around it, `gaexp-check` (`python -m gaexp.check`).
 """
 
 from gaexp.check.accumulation import MODES, check_accumulation
 from gaexp.check.errors import CheckError, NonFiniteError
-from gaexp.check.loss import LOSS_FORMS, STEP_TARGETS, LossContract, cross_entropy, loss_contract
+from gaexp.check.loss import (LOSS_FORMS, MODEL_LOSS, NUM_ITEMS, STEP_TARGETS, LossContract, count_items, cross_entropy,
+                              loss_contract)
 from gaexp.check.numerics import PrecisionDrift, measurably_worse, precision_drift
-from gaexp.check.report import BufferDiff, Coupling, RandomModule, Report, TensorDiff, render
+from gaexp.check.report import BufferDiff, Coupling, LossTerm, RandomModule, Report, TensorDiff, render
 
-__all__ = ["BufferDiff", "CheckError", "Coupling", "LOSS_FORMS", "LossContract", "MODES", "NonFiniteError",
-           "PrecisionDrift", "RandomModule", "Report", "STEP_TARGETS", "TensorDiff", "check_accumulation", "cross_entropy",
-           "loss_contract", "measurably_worse", "precision_drift", "render"]
+__all__ = ["BufferDiff", "CheckError", "Coupling", "LOSS_FORMS", "LossContract", "LossTerm", "MODEL_LOSS", "MODES",
+           "NUM_ITEMS", "NonFiniteError", "PrecisionDrift", "RandomModule", "Report", "STEP_TARGETS", "TensorDiff",
+           "check_accumulation", "count_items", "cross_entropy", "loss_contract", "measurably_worse", "precision_drift",
+           "render"]
