@@ -115,7 +115,7 @@ def measure_terms(model: nn.Module, inputs: Any, targets: Any, contract: LossCon
                     by_leaf[i] = g
                 grads_here.append(by_leaf)
             per_pass.append(grads_here)
-            del outputs, terms, leaves, flat
+            del outputs, terms, leaves, flat, given
         return sums, per_pass
 
     def label_of(t: int) -> str:
@@ -132,7 +132,7 @@ def measure_terms(model: nn.Module, inputs: Any, targets: Any, contract: LossCon
             continue
         tensors, rel = gradient_diffs({key: g for (key, _), g in zip(named, big)},
                                       {key: g for (key, _), g in zip(named, acc)}, rtol)
-        differs = rel > rtol or any(t.flagged for t in tensors)
+        differs = rel > rtol or any(d.flagged for d in tensors)
         whole = big_pass[0][t]
         parts = [p[t] for p in acc_passes]
         via = [names[i] for i, g in enumerate(whole) if g is not None and bool(g.ne(0).any())]
