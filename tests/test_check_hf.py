@@ -245,6 +245,17 @@ def figureless(line: str) -> str:
     return re.sub(r"(relative difference (up to )?)[0-9.e+-]+", r"\1N", line)
 
 
+class FirstStep(transformers.TrainerCallback):
+    """After the check, the valid labels of each batch the model trains on: the first step's, to compare."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model.register_forward_pre_hook(lambda m, a, kw: self.counts.append(int(kw["labels"].ne(-100).sum())),
+                                        with_kwargs=True)
+
+
 def quoted(prefix: str) -> list[str]:
     """The callbacks' verdict lines docs/check.md quotes, without their measured differences."""
     return [figureless(line) for line in (REPO / "docs" / "check.md").read_text().splitlines()
@@ -258,9 +269,11 @@ def test_the_transformers_callback_checks_the_first_step_logs_it_and_leaves_trai
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     lines = []
     for fixed in (False, True):
-        check = AccumulationCheck()
+        check, seen = AccumulationCheck(), FirstStep()
         with caplog.at_level(logging.INFO, logger="gaexp.check"):
-            losses, trainer = hf_train(tmp_path / f"run{fixed}", [check], fixed, ["mlflow"])
+            losses, trainer = hf_train(tmp_path / f"run{fixed}", [check, seen], fixed, ["mlflow"])
+        if not fixed:  # the micro-batches checked are those the first step trained on
+            assert check.report.terms[0].counts == seen.counts[:4]
         assert losses == hf_train(tmp_path / f"bare{fixed}", [], fixed, [])[0]  # the check changes no step
         assert check.report.safe is fixed and check.line in caplog.text
         assert (tmp_path / f"run{fixed}" / "gaexp-check.txt").read_text().startswith(check.line)

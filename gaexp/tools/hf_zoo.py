@@ -320,6 +320,11 @@ def deterministic_copy(model: Any) -> Any:
     *StochasticDepth* in eval mode with their p 0, every float dropout/drop-path/jitter rate of its config(s) and
     modules 0."""
     twin = copy.deepcopy(model).double().train()
+    if hasattr(twin, "set_experts_implementation"):
+        try:
+            twin.set_experts_implementation("eager")  # grouped_mm, the default, takes no float64
+        except Exception:  # noqa: BLE001 - a model that has no experts
+            pass
     from_hf = hasattr(twin, "config")
     configs = _configs(twin.config) if from_hf else []
     for m in twin.modules():
