@@ -181,6 +181,7 @@ def test_the_command_loads_a_config_file_and_weights_when_the_folder_has_them(co
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     code, text = run([f"hf:{tmp_path / 'saved'}", "--json"])
     assert code == UNSAFE and '"loss_coupling": "count"' in text
+    assert '"eval_modules": []' in text  # in training mode, as a trainer trains it (from_pretrained gives eval)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -84,12 +84,18 @@ def load(path: str, task: str | None) -> tuple[nn.Module, str]:
         if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = 0  # a decoder's classifier finds each row's last token by the pad token
         weights = where.is_dir() and any((where / w).is_file() for w in WEIGHTS)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # loading the weights: no bar in the report
         try:
             model = (auto.from_pretrained(str(where), config=config, local_files_only=True) if weights
                      else auto.from_config(config))
         except Exception as e:  # noqa: BLE001 - as above
             raise CheckError(f"TARGET={PREFIX}{path}: {TASKS[task][0]} cannot build it for --task {task}: "
                              f"{type(e).__name__}: {e}".splitlines()[0]) from None
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        model.train()  # from_pretrained gives it in eval mode; a trainer trains it in training mode
     finally:
         if was is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
