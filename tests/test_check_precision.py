@@ -229,3 +229,24 @@ def test_the_float64_step_holds_the_weights_the_precision_holds():
     drift = precision_drift(Scale(), torch.ones(4, 1), torch.zeros(4), lambda out, t: (out ** 2).mean() / 2,
                             micro_batch=2, num_accum=2, precision="bf16w")
     assert drift.accumulated_rel == drift.big_rel == 0.0
+
+
+class NoAutocast(nn.Module):
+    """A layer whose forward fails under autocast, as oneDNN's LSTM does on some CPUs under bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("could not create a primitive descriptor")
+        return self.proj(x)
+
+
+def test_a_model_that_fails_under_the_precision_is_one_line_naming_the_phase_and_exit_2():
+    code, text = run(["test_check_precision:NoAutocast", "--input-shape", "4", "--precision", "bf16"])
+    assert code == 2 and "\n" not in text, text
+    assert text.startswith("gaexp-check: error: the check failed in the step under precision bf16: RuntimeError in "
+                           "NoAutocast.forward (test_check_precision.py, line ")
+    assert text.endswith(": could not create a primitive descriptor")

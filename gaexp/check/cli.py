@@ -34,7 +34,7 @@ from gaexp import targets
 from gaexp.arguments import positive_ints
 from gaexp.data.batches import micro_batch_indices
 from gaexp.check import hf
-from gaexp.check.accumulation import check_accumulation
+from gaexp.check.accumulation import check_accumulation, where_raised
 from gaexp.check.errors import CheckError, NonFiniteError
 from gaexp.check.loss import LOSS_FORMS, MODEL_LOSS, NUM_ITEMS, loss_contract
 from gaexp.check.report import Report
@@ -438,11 +438,14 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
                                     num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
                                     modes="keep" if args.keep_modes else "train", norm_choices=overrides,
                                     precision=precision, num_items_in_batch=count)
+        text = render(report, subject, args, device)
     except NonFiniteError as e:
         return NON_FINITE, render_nonfinite(e, subject, args, device)
     except (CheckError, TargetError, DataError, HydraException, OmegaConfBaseException, ValueError) as e:
         return BAD_INPUT, f"gaexp-check: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    return status(report), render(report, subject, args, device)
+    except Exception as e:  # noqa: BLE001 - anything else the model or a library raises: one line, exit 2
+        return BAD_INPUT, f"gaexp-check: error: {type(e).__name__}{where_raised(e)}: {e}".splitlines()[0]
+    return status(report), text
 
 
 def status(report: Report) -> int:
