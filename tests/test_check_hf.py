@@ -184,6 +184,28 @@ def test_the_command_loads_a_config_file_and_weights_when_the_folder_has_them(co
     assert '"eval_modules": []' in text  # in training mode, as a trainer trains it (from_pretrained gives eval)
 
 
+def test_the_command_checks_ones_own_compute_loss_func_as_the_trainer_calls_it(configs, tmp_path, monkeypatch):
+    (tmp_path / "mylosses.py").write_text(
+        "import torch.nn.functional as F\n\n\n"
+        "def compute_loss(outputs, labels, num_items_in_batch):\n"
+        "    logits = outputs['logits'][:, :-1]\n"
+        "    summed = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction='sum')\n"
+        "    assert num_items_in_batch == labels.new_ones(1).sum() * 0 + NUM, num_items_in_batch\n"
+        "    return summed / num_items_in_batch\n\n\n"
+        "def token_mean(outputs, labels):\n"
+        "    assert 'loss' not in outputs  # the Trainer pops the labels for a compute_loss_func\n"
+        "    return F.cross_entropy(outputs['logits'][:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100)\n")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(configs["llama"]))
+    _, labels = task_inputs(model, "causal-lm", 8, 2, 16, "varied", 0)
+    text = (tmp_path / "mylosses.py").read_text().replace("NUM", str(int(labels[:, 1:].ne(-100).sum())))
+    (tmp_path / "mylosses.py").write_text(text)  # the Trainer's count: labels from the second token on
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, text = run([f"hf:{configs['llama']}", "--loss", "mylosses:compute_loss"])
+    assert code == SAFE and "compute_loss, given the step's count of items (num_items_in_batch) in the loss" in text
+    code, text = run([f"hf:{configs['llama']}", "--loss", "mylosses:token_mean"])
+    assert code == UNSAFE and "loss: normalised per micro-batch" in text, text
+
+
 @pytest.mark.parametrize("argv,message", [
     (["hf:/no/such/folder"], "TARGET=hf:/no/such/folder: no such folder or file; give a checkpoint folder with a "
                              "config.json, or a config file (nothing is downloaded)"),

@@ -422,6 +422,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
         if problem:
             raise CheckError(problem)
         count = hf.trainer_count(subject.model) if args.num_items_in_batch else False
+        if subject.task is not None and callable(loss) and loss_contract(loss).items:
+            count = hf.trainer_count(subject.model)  # a compute_loss_func: given the step's count as the Trainer counts
         if subject.task is not None:
             n = subject.micro_batch * subject.num_accum
             if subject.micro_batch < 1 or subject.num_accum < 2:
@@ -429,6 +431,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
                                  "k >= 2")
             inputs, labels = hf.task_inputs(subject.model, subject.task, n, subject.micro_batch, args.seq_len,
                                             args.pad, args.seed)
+            if loss != MODEL_LOSS:  # a compute_loss_func of one's own: the Trainer pops the labels for it
+                inputs.pop("labels", None)
             subject.model.to(device)
             inputs = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in inputs.items()}
             labels = labels.to(device) if labels is not None else None
