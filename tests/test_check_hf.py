@@ -285,6 +285,7 @@ def quoted(prefix: str) -> list[str]:
             if line.startswith(prefix)]
 
 
+@pytest.mark.slow
 def test_the_transformers_callback_checks_the_first_step_logs_it_and_leaves_training_as_it_was(tmp_path, monkeypatch,
                                                                                                caplog):
     from gaexp.check.hf_callback import AccumulationCheck
@@ -342,6 +343,7 @@ def lightning_fit(tmp_path: Path, norm: type[nn.Module], callbacks: list) -> dic
     return {"weights": [p.detach().clone() for p in module.parameters()], "logger": logger}
 
 
+@pytest.mark.slow
 def test_the_lightning_callback_checks_the_first_step_logs_it_and_raises_when_asked(tmp_path):
     from gaexp.check.lightning_callback import AccumulationCheck
 
