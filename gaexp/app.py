@@ -97,10 +97,13 @@ def cli(argv: Sequence[str] | None = None) -> None:
     if problem:
         raise SystemExit(redact.mask(f"error: {problem}"))
     try:
-        main()
-    except KeyboardInterrupt:  # Ctrl-C outside a grid sweep's launches (which say how many cells finished)
+        with liveness.ending_as_ctrl_c():  # SIGTERM, SIGHUP: as Ctrl-C, with their own exit status
+            main()
+    except BaseException as e:  # Ctrl-C outside a grid sweep's launches (which say how many cells finished)
+        if isinstance(e, SystemExit) or not (isinstance(e, KeyboardInterrupt) or liveness.ended()):
+            raise
         print("interrupted", file=sys.stderr)  # the runs it started are KILLED (tracking.tracked_run)
-        raise SystemExit(128 + signal.SIGINT) from None  # 130, as a shell reports a command Ctrl-C stopped
+        raise SystemExit(liveness.exit_status(e)) from None  # 130, as a shell reports a command Ctrl-C stopped
 
 
 def torchrun_problem(args: Sequence[str], overrides: Sequence[str]) -> str | None:

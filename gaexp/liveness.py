@@ -1,12 +1,14 @@
 """Whether what ran a run still runs: a process on this host (pid and start time, from /proc) and a SLURM job
 (its environment, and the cluster's accounting through `sacct`); and a launcher's worker watching the sweep's
-process, to stop with it (`SweepWatch`). No MLflow here: gaexp/tracking/ records
-these and marks the runs whose process is gone."""
+process, to stop with it (`SweepWatch`); and the signals that end a command as Ctrl-C does (`ending_as_ctrl_c`:
+SIGTERM from a scheduler's time limit, `timeout` or `systemctl stop`, SIGHUP from a closed terminal). No MLflow
+here: gaexp/tracking/ records these and marks the runs whose process is gone."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -41,6 +43,89 @@ def process_alive(pid: int, started: str | None = None) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (its children, theirs, ...), from /proc's parent ids; [] without /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+ENDING = (signal.SIGTERM, signal.SIGHUP)  # what a scheduler, `timeout`, systemd and a closed terminal send
+GRACE_S = 10  # how long the workers, told as Ctrl-C tells them, have to end their cells' runs before this stops
+_ended: int | None = None  # the signal that is ending this command, once one is
+
+
+class Ended(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised as Ctrl-C's KeyboardInterrupt is (so the same code ends the runs KILLED and says
+    how many cells finished), with the signal for the exit status (128 + it: 143, 129)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def ended() -> int | None:
+    """The signal ending this command (SIGTERM, SIGHUP), None while none has: whatever is raised after it (a
+    worker's KeyboardInterrupt sent back, a pool broken by the end) is that end, said as such."""
+    return _ended
+
+
+def exit_status(e: BaseException) -> int:
+    """The status a shell reports for a command this ended: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP."""
+    return 128 + (getattr(e, "signum", None) or _ended or signal.SIGINT)
+
+
+def _raise_ended(signum: int, frame: object) -> None:
+    raise Ended(_ended or signum)
+
+
+def _end(signum: int, frame: object) -> None:
+    """The workers below this process are told as a terminal's Ctrl-C tells them (SIGINT): each ends its cell's run
+    KILLED and sends the interrupt back, which ends this process as Ctrl-C does. Without workers this process
+    raises Ended at once, and otherwise after GRACE_S if nothing came back by then (SIGALRM)."""
+    global _ended
+    _ended = signum
+    workers = descendants(os.getpid())
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+    if not workers:
+        raise Ended(signum)
+    signal.signal(signal.SIGALRM, _raise_ended)
+    signal.alarm(GRACE_S)
+
+
+@contextmanager
+def ending_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM and SIGHUP end what runs inside as Ctrl-C does (`Ended`); the handlers before are put back after.
+    Only in the main thread, where Python runs signal handlers."""
+    global _ended
+    _ended = None  # kept after: what catches the end outside says it with its signal
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _end) for s in (*ENDING, signal.SIGALRM)}
+    signal.signal(signal.SIGALRM, before[signal.SIGALRM])
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def slurm_job(environ: Mapping[str, str] = os.environ) -> str | None:

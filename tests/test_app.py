@@ -22,7 +22,7 @@ import optuna
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from gaexp import analysis, app, callbacks, cell, progress
+from gaexp import analysis, app, callbacks, cell, liveness, progress
 from gaexp.data import batches, idx
 from gaexp import tags as runtags
 from gaexp import train as train_module
@@ -571,6 +571,34 @@ def test_ctrl_c_outside_a_grid_sweeps_launches_is_one_line_and_status_130(tmp_pa
     assert (stop.value.code, err.getvalue()) == (130, "interrupted\n")
 
 
+@pytest.mark.parametrize("sent,status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_end_a_command_as_ctrl_c_does_with_their_own_status(tmp_path, monkeypatch, sent, status):
+    """What SLURM sends at a job's time limit, and `timeout` and `systemctl stop` (SIGTERM), or a closed terminal
+    (SIGHUP): the same line as Ctrl-C, the status a shell reports (128 + the signal), the handlers put back."""
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, lambda *a: "
+                              "exit(7)); print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert child.stdout.readline() == b"ready\n"
+
+    def signalled() -> None:
+        assert child.pid in liveness.descendants(os.getpid())
+        os.kill(os.getpid(), sent)
+        time.sleep(60)
+
+    monkeypatch.setattr(app, "main", signalled)
+    for check in ("unknown_choice", "hydra_sweep_problem", "composition_problem"):
+        monkeypatch.setattr(app, check, lambda overrides: None)
+    before = signal.getsignal(sent)
+    with pytest.raises(SystemExit) as stop:
+        app.cli([*TINY, f"paths.outputs={tmp_path}"])
+    assert (stop.value.code, err.getvalue()) == (status, "interrupted\n")
+    assert child.wait(timeout=30) == 7  # the worker below was told as Ctrl-C tells it (SIGINT)
+    assert signal.getsignal(sent) is before
+
+
 def interrupt_when(proc: subprocess.Popen, reached, timeout: float = 300) -> None:
     """Ctrl-C as a terminal sends it (SIGINT to `proc`'s process group, started with start_new_session=True) once
     `reached()`: the group frozen (SIGSTOP) while it is asked again, as conftest.kill_when does."""
@@ -639,6 +667,52 @@ def test_ctrl_c_in_a_sweep_says_in_one_line_how_many_cells_finished_and_the_same
     after = cell_runs(uri)
     assert [r for r in after if r[1] == "FINISHED"] == [runs[0], (after[-1][0], "FINISHED", after[-1][2])]
     assert after[-1][0] == "gn4-bs4a4-s1"  # bn's run skipped (the same run), gn4's trained again, to the end
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_sweeps_process_alone_ends_it_as_ctrl_c_its_workers_and_runs_too(tmp_path, gaexp_argv):
+    """SIGTERM to the sweep's own process only (as `kill PID`, `timeout` and a scheduler send it; Ctrl-C reaches
+    the whole group), two joblib workers training: the same one line, status 143, every run FINISHED or KILLED
+    (none left RUNNING) and no worker left behind."""
+    argv = gaexp_argv(tmp_path, "norm=bn,gn4,gn16", "regime=bs4a4", "train.num_iterations=60",
+                      "train.eval_period=60", "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=2",
+                      "hydra.sweeper.order=given")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    workers: list[int] = []
+
+    def one_finished_one_running() -> bool:
+        try:
+            statuses = [status for _, status, _ in cell_runs(uri)] if list(tmp_path.glob("multirun/*/multirun.yaml")) \
+                else []
+        except Exception:  # noqa: BLE001 - the store locked by the frozen command: asked again
+            return False
+        return "FINISHED" in statuses and "RUNNING" in statuses
+
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                start_new_session=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and not workers:
+            if one_finished_one_running():
+                os.killpg(proc.pid, signal.SIGSTOP)
+                if one_finished_one_running():
+                    workers = liveness.descendants(proc.pid)
+                    os.kill(proc.pid, signal.SIGTERM)  # delivered as the group resumes
+                os.killpg(proc.pid, signal.SIGCONT)
+            time.sleep(0.2)
+        assert workers, "the sweep ended, or ran on, before a cell finished while another ran"
+        assert proc.wait(timeout=300) == 143
+    lines = (tmp_path / "stderr.txt").read_text().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"interrupted: [12] of 3 cells finished; rerun the same command to resume, finished cells are skipped: "
+        + re.escape(f"gaexp {shlex.join(argv[3:])}"), lines[0]), lines[-20:]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (any(liveness.process_alive(pid) for pid in workers)
+                                           or "RUNNING" in [status for _, status, _ in cell_runs(uri)]):
+        time.sleep(0.5)
+    statuses = [status for _, status, _ in cell_runs(uri)]
+    assert "KILLED" in statuses and set(statuses) <= {"FINISHED", "KILLED"}, statuses
+    assert not any(liveness.process_alive(pid) for pid in workers)
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ MAPPINGS = {  # task: the auto mapping (model type: class name) that lists the a
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
 N, MICRO, SEQ_LEN = 8, 2, 16  # the step: 8 samples, as 4 micro-batches of 2; tokens a row
-TRUTH_RTOL = 1e-9  # float64: a micro-batch's logits further than this from the whole batch's rows couple
+TRUTH_RTOL = {"float64": 1e-9, "float32": 1e-5}  # a micro-batch's logits further than this from the whole batch's
+# rows couple: float64, or float32 for a model with a float32 cast of its own that refuses float64
 IMAGE_SIZES = (32, 64, 96, 128, 224)  # the ladder of square images, smallest first, for a model that refuses 32
 TIMEOUT = 300.0
 FAILING = ("crash", "false alarm", "miss")  # outcomes that make the command exit 1, and a timeout in the check
@@ -183,8 +184,8 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
                 kw[name] = [2 ** i for i in range(len(attrs[name]))]
         if _is_int(attrs.get("embed_dim")):
             kw["embed_dim"] = 16
-        if _is_int(attrs.get("num_heads")) or _is_int(attrs.get("num_attention_heads")):
-            kw.pop("num_heads", None), kw.pop("num_attention_heads", None)
+        if _is_int(attrs.get("num_heads")) or _is_int(attrs.get("num_attention_heads")):  # one count for stages of
+            kw.pop("num_heads", None), kw.pop("num_attention_heads", None)  # their own widths: as it was
     if isinstance(attrs.get("intermediate_size"), (list, tuple)):
         kw["intermediate_size"] = [FFN] * len(kw.get("intermediate_size", attrs["intermediate_size"]))
     if _is_int(attrs.get("image_size")):
@@ -311,15 +312,19 @@ def _rows(inputs: Mapping[str, Any], start: int, stop: int, n: int) -> dict[str,
 
 
 def _rel(a: Any, b: Any) -> float:
+    if a.shape != b.shape:  # a micro-batch's output shaped by the batch (padding trimmed to the longest row)
+        return math.inf
     diff, ref = float((a - b).norm()), float(b.norm())
     return diff / ref if ref else (0.0 if diff == 0 else math.inf)
 
 
-def deterministic_copy(model: Any) -> Any:
-    """A float64 copy in training mode with its random layers off: modules named *Dropout*, *DropPath*,
+def deterministic_copy(model: Any, dtype: str = "float64") -> Any:
+    """A float64 (or `dtype`) copy in training mode with its random layers off: modules named *Dropout*, *DropPath*,
     *StochasticDepth* in eval mode with their p 0, every float dropout/drop-path/jitter rate of its config(s) and
-    modules 0."""
-    twin = copy.deepcopy(model).double().train()
+    modules 0; its mixture of experts, if any, computed expert by expert (eager: grouped_mm takes no float64)."""
+    import torch
+
+    twin = copy.deepcopy(model).to(getattr(torch, dtype)).train()
     if hasattr(twin, "set_experts_implementation"):
         try:
             twin.set_experts_implementation("eager")  # grouped_mm, the default, takes no float64
@@ -345,17 +350,18 @@ def deterministic_copy(model: Any) -> Any:
     return twin
 
 
-def truth(model: Any, inputs: Mapping[str, Any], micro_batch: int) -> dict[str, Any]:
-    """Whether the model couples the samples of a batch, worked out without the check, on a float64 copy with its
-    random layers off (`deterministic_copy`): "unsafe" when a batch-statistics layer (BatchNorm) is in training mode,
-    or a micro-batch's logits differ from the same rows' in the whole batch by more than TRUTH_RTOL, or the buffers
+def truth(model: Any, inputs: Mapping[str, Any], micro_batch: int, dtype: str = "float64") -> dict[str, Any]:
+    """Whether the model couples the samples of a batch, worked out without the check, on a float64 (or `dtype`) copy
+    with its random layers off (`deterministic_copy`): "unsafe" when a batch-statistics layer (BatchNorm) is in training
+    mode, or a micro-batch's logits differ from the same rows' in the whole batch by more than TRUTH_RTOL, or the buffers
     end one forward of the whole batch differently from one forward per micro-batch; "unknown" when two forwards of
     the whole batch differ (still random). Also the largest relative difference and the BatchNorm layers."""
     import torch
     from torch import nn
 
-    twin = deterministic_copy(model)
-    x = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    twin, rtol = deterministic_copy(model, dtype), TRUTH_RTOL[dtype]
+    x = {k: v.to(getattr(torch, dtype)) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+         for k, v in inputs.items()}
     n = next(v.shape[0] for v in x.values() if isinstance(v, torch.Tensor))
     norms = [name for name, m in twin.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
     start = {k: v.detach().clone() for k, v in twin.named_buffers()}
@@ -379,14 +385,16 @@ def truth(model: Any, inputs: Mapping[str, Any], micro_batch: int) -> dict[str, 
     result["rel"] = max(_rel(p, whole[a:a + micro_batch]) for p, a in zip(parts, range(0, n, micro_batch)))
     result["buffers"] = [k for k, v in after_whole.items()
                          if v.shape != after_parts[k].shape or
-                         (_rel(after_parts[k].double(), v.double()) > TRUTH_RTOL if v.is_floating_point()
+                         (_rel(after_parts[k].double(), v.double()) > rtol if v.is_floating_point()
                           else not torch.equal(after_parts[k], v))]
     why = [f"{len(norms)} BatchNorm in training mode"] if norms else []
-    if result["rel"] > TRUTH_RTOL:
+    if result["rel"] > rtol:
         why.append(f"outputs depend on the batch (rel. {result['rel']:.2g})")
     if result["buffers"]:
         why.append(f"{len(result['buffers'])} buffers end differently ({result['buffers'][0]})")
-    return {**result, "truth": "unsafe" if why else "safe", "why": "; ".join(why)}
+    if dtype != "float64":
+        why.append(f"in {dtype}")
+    return {**result, "truth": "unsafe" if len(why) > (dtype != "float64") else "safe", "why": "; ".join(why)}
 
 
 def _line(e: BaseException) -> str:
@@ -461,7 +469,7 @@ def build_checked(model_type: str, task: str) -> tuple[Any, str, str]:
             try:
                 model = build(model_type, task, size, layers)
             except Exception as e:  # noqa: BLE001 - transformers' refusal of the small config: a row "not built"
-                reason = f"not built: {_line(e)}"
+                reason = f"build fails: {_line(e)}"
             else:
                 try:
                     reason = _forward_passes(model, task)
@@ -497,8 +505,12 @@ def check_one(name: str, seeds: Sequence[int] = (0,)) -> dict[str, Any]:
         _phase("truth")
         try:
             entry.update(truth(model, inputs, MICRO))
-        except Exception as e:  # noqa: BLE001 - no truth (a float64 copy that fails): said, the check still runs
-            entry.update({"truth": "unknown", "why": f"the float64 copy fails: {_line(e)}", "rel": None})
+        except Exception as e:  # noqa: BLE001 - a float64 copy that fails: in float32, else no truth (said)
+            try:
+                entry.update(truth(model, inputs, MICRO, "float32"))
+            except Exception as e32:  # noqa: BLE001 - the check still runs
+                entry.update({"truth": "unknown", "why": f"the float64 copy fails: {_line(e)}; in float32: "
+                              f"{_line(e32)}", "rel": None})
         _phase("check")
         torch.manual_seed(seed)
         tic = time.perf_counter()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shlex
-import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +30,6 @@ if TYPE_CHECKING:  # the annotation's name only: gaexp loads when a sweep runs
     from gaexp import progress
 
 log = logging.getLogger(__name__)
-INTERRUPTED = 128 + signal.SIGINT  # 130: the exit status a shell reports for a command Ctrl-C stopped
 
 
 def uncompleted(error: Exception) -> str:
@@ -154,13 +152,18 @@ class GridSweeper(BasicSweeper):
 
     @contextmanager
     def resumable(self, sweep_id: str, total: int) -> Iterator[None]:
-        """Ctrl-C (SIGINT): once the plan run and the cells' runs are KILLED (tracking.tracked_run), one line
-        instead of the launcher's traceback, and exit status 130."""
+        """Ctrl-C (SIGINT), or SIGTERM or SIGHUP (gaexp.liveness.Ended): once the plan run and the cells' runs are
+        KILLED (tracking.tracked_run), one line instead of the launcher's traceback, and exit status 130 (143,
+        129)."""
+        from gaexp import liveness
+
         try:
             yield
-        except KeyboardInterrupt:
+        except BaseException as e:  # noqa: BLE001 - after SIGTERM, a worker's pool broken by the end is that end
+            if isinstance(e, SystemExit) or not (isinstance(e, KeyboardInterrupt) or liveness.ended()):
+                raise
             print(self.interrupted(sweep_id, total), file=sys.stderr, flush=True)
-            raise SystemExit(INTERRUPTED) from None
+            raise SystemExit(liveness.exit_status(e)) from None
 
     def interrupted(self, sweep_id: str, total: int) -> str:
         """How many of the sweep's cells finished (in the store: the ones it trained and the ones it skipped as
