@@ -126,11 +126,12 @@ def row(truth_: str, verdict: str, **extra) -> dict:
     (row("unsafe", "unsafe"), "right", None),
     (row("safe", "unsafe"), "false alarm", "named 1: bn BatchNorm2d 1.3; gradient rel. 0.25"),
     (row("unsafe", "safe"), "miss", "named none; gradient rel. 0.25; truth: 1 BatchNorm in training mode"),
-    (row("safe", "crash", error="IndexError: tuple index out of range"), "crash", "IndexError: tuple index out of range"),
+    (row("safe", "crash", error="IndexError: tuple index"), "crash", "IndexError: tuple index"),
     (row("safe", "refused", error="CheckError: x"), "refused", "CheckError: x"),
     (row("unknown", "safe"), "truth unknown", "the check said safe"),
     ({"model": "m", "task": "causal-lm", "error": "not built: ImportError: timm"}, "not built", "timm"),
     ({"model": "m", "task": "causal-lm", "error": "took over 300 s (in: check)", "timeout": "check"}, "timeout", "300"),
+    ({"model": "m", "task": "causal-lm", "error": "exit -9 (in: check): Killed", "died": "check"}, "crash", "exit -9"),
 ])
 def test_each_row_is_judged_against_the_truth(data, outcome, note):
     judged = judge(data)
@@ -150,6 +151,11 @@ def test_rows_through_the_real_check():
     [seed] = resnet["seeds"]
     assert seed["truth"] == "unsafe" and seed["verdict"] == "unsafe" and len(seed["batchnorm"]) == 17
     assert {t for _, t, _ in seed["named"]} == {"BatchNorm2d"} and judge(resnet).outcome == "right"
+    assert "| unsafe (17 BatchNorm in training mode; outputs depend on the batch; 51 buffers end differently) |" in \
+        table([judge(resnet)])
+    mixtral = build("mixtral", "causal-lm")  # its experts' grouped_mm takes no float64: computed expert by expert
+    x = {"input_ids": torch.randint(0, 128, (8, 16))}
+    assert truth(mixtral, x, 2)["truth"] == "safe" and truth(mixtral, x, 2)["rel"] < 1e-12
     if importlib.util.find_spec("timm") is None:  # a model that cannot be built is a row, not a crash
         timm = judge(check_one("timm_wrapper:image-classification"))
         assert timm.outcome == "not built" and "requires the timm library" in timm.notes[0]

@@ -1,18 +1,20 @@
 """`python -m gaexp.tools.hf_zoo`: gaexp-check on every transformers architecture with a text or image head, against
 the truth.
 
-A benchmark, not a test (the whole zoo takes most of an hour on 2 cores; tests/test_hf_zoo.py runs a few rows). Each
-row is a model type of the installed transformers and a task whose head it has (its auto mappings: causal-lm,
-masked-lm, sequence-classification, image-classification), built by the task's Auto class from a small config: the
-config class's defaults with every size it names shrunk (`small_config`: 2 layers, a hidden size of 32, 2 heads, a
-vocabulary of 128, a 32x32 image, the same in its sub-configs), so that the whole zoo fits on a CPU. It is checked by
+A benchmark, not a test (the whole zoo, 420 rows in transformers 5.25, takes about an hour on 2 cores, most of it
+importing transformers once a row; tests/test_hf_zoo.py runs a few rows). Each row is a model type of the installed
+transformers and a task whose head it has (its auto mappings: causal-lm, masked-lm, sequence-classification,
+image-classification), built by the task's Auto class from a small config: the config class's defaults with every size
+it names shrunk (`small_config`: 2 layers, a hidden size of 64, 4 heads of 16, 2 key-value heads, a vocabulary of 128, a
+32x32 image, the same in its sub-configs; OVERRIDES for what the rules cannot know), so that the whole zoo fits on a
+CPU; one that cannot be built, or whose forward fails, is a row "not built" with transformers' reason. It is checked by
 `check_accumulation` itself on the task's inputs (gaexp.check.hf.task_inputs: padding that varies between
-micro-batches), with a loss normalised by the step's own count (the loss never couples, so the verdict is the
-model's). The truth is worked out without the check (`truth`), on a float64 copy with its random layers off: a model
-couples the samples of a batch exactly when its logits for a micro-batch differ from the same rows' logits in the whole
-batch, or a batch-statistics layer (BatchNorm) is in training mode, or its buffers end one forward of the batch
-differently from one forward per micro-batch. Each row runs in a process of its own, so one that hangs or runs out of
-memory is a row of the table, not the end of the run.
+micro-batches), with a loss normalised by the step's own count (the loss never couples, so the verdict is the model's).
+The truth is worked out without the check (`truth`), on a float64 copy with its random layers off (float32, said in the
+row, for a model that casts to float32 itself): a model couples the samples of a batch exactly when its logits for a
+micro-batch differ from the same rows' logits in the whole batch, or a batch-statistics layer (BatchNorm) is in training
+mode, or its buffers end one forward of the batch differently from one forward per micro-batch. Each row runs in a
+process of its own, so one that hangs or runs out of memory is a row of the table, not the end of the run.
 
     python -m gaexp.tools.hf_zoo                                 # every row, seed 0: the table on stdout
     python -m gaexp.tools.hf_zoo --models llama,bert --tasks causal-lm,masked-lm --output zoo.md
@@ -26,6 +28,7 @@ import difflib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,21 +55,22 @@ FAILING = ("crash", "false alarm", "miss")  # outcomes that make the command exi
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, POSITIONS = 64, 4, 2, 16, 64, 128, 64
 LAYERS = (2, 4, 8)  # layers, fewest first: a hybrid whose first 2 layers hold no attention layer gets more
 SIZES = [
-    (HIDDEN, ("hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "embedding_size", "word_embed_proj_dim",
-              "emb_dim", "embedding_dim", "hidden_size_global", "true_hidden_size", "input_embedding_size",
-              "output_embedding_size", "attention_hidden_size", "lru_width", "d_latents", "out_hidden_size",
-              "intra_bottleneck_size", "pooler_hidden_size")),
+    (HIDDEN, ("hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "embedding_size",
+              "word_embed_proj_dim", "emb_dim", "embedding_dim", "hidden_size_global", "true_hidden_size",
+              "input_embedding_size", "output_embedding_size", "attention_hidden_size", "lru_width", "d_latents",
+              "out_hidden_size", "intra_bottleneck_size", "pooler_hidden_size")),
     (HEADS, ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
              "decoder_attention_heads", "attention_heads", "num_encoder_attention_heads", "num_decoder_attention_heads",
-             "linear_num_key_heads", "linear_num_value_heads", "num_self_attention_heads", "num_cross_attention_heads")),
+             "linear_num_key_heads", "linear_num_value_heads", "num_self_attention_heads",
+             "num_cross_attention_heads")),
     (KV_HEADS, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "num_query_groups")),
     (2, ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")),
     (1, ("n_group", "topk_group", "num_expert_group", "first_k_dense_replace", "n_shared_experts")),
     (0, ("num_kv_shared_layers",)),
     (HEAD_DIM, ("head_dim", "d_kv", "d_head", "attention_head_size", "kv_channels", "dim_head", "attention_head_dim",
                 "v_head_dim", "qk_head_dim", "linear_key_head_dim", "linear_value_head_dim", "q_lora_rank",
-                "kv_lora_rank", "swa_head_dim", "mamba_headdim", "mamba_d_head")),
-    (8, ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim", "mamba_n_heads")),
+                "kv_lora_rank", "swa_head_dim", "mamba_headdim", "mamba_d_head", "hidden_size_per_layer_input")),
+    (8, ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim", "mamba_n_heads", "index_topk", "sliding_window")),
     (FFN, ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "encoder_ffn_dim", "decoder_ffn_dim",
            "d_inner", "dim_ff", "dff", "intermediate_size_mlp", "feed_forward_size", "mlp_dim")),
     (32, ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
@@ -102,9 +106,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {  # what the rules above cannot know, by
     "reformer": {"axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4], "lsh_attn_chunk_length": 4,
                  "local_attn_chunk_length": 4, "max_position_embeddings": 16},
     "reformer:causal-lm": {"is_decoder": True},
+    "perceiver:masked-lm": {"max_position_embeddings": SEQ_LEN},  # its decoder's queries are its logits' positions
     "textnet": {"hidden_sizes": KEEP, "depths": KEEP},  # its kernel lists have an entry a block
 }
-DROPOUT_WORDS = ("dropout", "drop_path", "droppath", "layerdrop", "drop_rate", "drop_prob", "jitter", "stochastic_depth")
+DROPOUT_WORDS = ("dropout", "drop_path", "droppath", "layerdrop", "drop_rate", "drop_prob", "jitter",
+                 "stochastic_depth")
 RANDOM_MODULES = ("Dropout", "DropPath", "StochasticDepth")
 
 
@@ -155,7 +161,7 @@ def _small_kwargs(c: Any, image_size: int, layers: int) -> dict[str, Any]:
             kw[name] = len(keep)
         elif name in SIZE_OF and _is_int(value) and value > SIZE_OF[name]:
             kw[name] = SIZE_OF[name]
-        elif name.endswith("vocab_size") and _is_int(value) and value > VOCAB:
+        elif "vocab_size" in name and _is_int(value) and value > VOCAB:
             kw[name] = VOCAB
         elif name == "vocab_size" and value is None:
             kw[name] = VOCAB
@@ -270,15 +276,17 @@ def build(model_type: str, task: str, image_size: int = 32, layers: int = LAYERS
 
 
 def logits_of(outputs: Any) -> Any:
-    """The outputs' logits (a ModelOutput or a dict), or the outputs themselves when a tensor, else the first tensor."""
+    """The outputs' logits (a ModelOutput or a dict), or the outputs themselves when a tensor, else the first tensor
+    (PP-LCNet's classifier returns its logits as last_hidden_state)."""
     import torch
 
     if isinstance(outputs, torch.Tensor):
         return outputs
     if isinstance(outputs, Mapping) and outputs.get("logits") is not None:
         return outputs["logits"]
-    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        return outputs[0]
+    values = list(outputs.values()) if isinstance(outputs, Mapping) else outputs
+    if isinstance(values, (tuple, list)) and values and isinstance(values[0], torch.Tensor):
+        return values[0]
     raise TypeError(f"the model returned {type(outputs).__name__} with no logits")
 
 
@@ -292,7 +300,7 @@ def step_loss(task: str) -> Callable[..., Any]:
         shift = task == "causal-lm"
 
         def per_step(outputs: Any, labels: Any, step_targets: Any) -> Any:
-            logits = outputs["logits"]
+            logits = logits_of(outputs)
             if shift:
                 logits, labels, step_targets = logits[:, :-1], labels[:, 1:], step_targets[:, 1:]
             total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
@@ -300,7 +308,7 @@ def step_loss(task: str) -> Callable[..., Any]:
             return total / step_targets.ne(-100).sum().clamp(min=1)
     else:
         def per_step(outputs: Any, labels: Any, step_targets: Any) -> Any:
-            return F.cross_entropy(outputs["logits"].float(), labels, reduction="sum") / step_targets.shape[0]
+            return F.cross_entropy(logits_of(outputs).float(), labels, reduction="sum") / step_targets.shape[0]
     return per_step
 
 
@@ -353,9 +361,10 @@ def deterministic_copy(model: Any, dtype: str = "float64") -> Any:
 def truth(model: Any, inputs: Mapping[str, Any], micro_batch: int, dtype: str = "float64") -> dict[str, Any]:
     """Whether the model couples the samples of a batch, worked out without the check, on a float64 (or `dtype`) copy
     with its random layers off (`deterministic_copy`): "unsafe" when a batch-statistics layer (BatchNorm) is in training
-    mode, or a micro-batch's logits differ from the same rows' in the whole batch by more than TRUTH_RTOL, or the buffers
-    end one forward of the whole batch differently from one forward per micro-batch; "unknown" when two forwards of
-    the whole batch differ (still random). Also the largest relative difference and the BatchNorm layers."""
+    mode, or a micro-batch's logits differ from the same rows' in the whole batch by more than TRUTH_RTOL, or the
+    buffers end one forward of the whole batch differently from one forward per micro-batch; "unknown" when two
+    forwards of the whole batch differ (still random). Also the largest relative difference, the BatchNorm layers and
+    the buffers that end differently."""
     import torch
     from torch import nn
 
@@ -381,7 +390,8 @@ def truth(model: Any, inputs: Mapping[str, Any], micro_batch: int, dtype: str = 
         reset()
     result: dict[str, Any] = {"batchnorm": norms, "rel": 0.0, "buffers": []}
     if _rel(again, whole) > 0:
-        return {**result, "truth": "unknown", "why": f"two forwards of the batch differ (rel. {_rel(again, whole):.2g})"}
+        return {**result, "truth": "unknown",
+                "why": f"two forwards of the batch differ (rel. {_rel(again, whole):.2g})"}
     result["rel"] = max(_rel(p, whole[a:a + micro_batch]) for p, a in zip(parts, range(0, n, micro_batch)))
     result["buffers"] = [k for k, v in after_whole.items()
                          if v.shape != after_parts[k].shape or
@@ -535,6 +545,7 @@ def check_one(name: str, seeds: Sequence[int] = (0,)) -> dict[str, Any]:
 
 @dataclass
 class Judged:
+    """A row and its outcome, with the notes that say why when it is not right."""
     row: dict[str, Any]
     outcome: str  # right, false alarm, miss, crash, refused, truth unknown, not built, timeout
     notes: list[str] = field(default_factory=list)
@@ -553,9 +564,12 @@ def _named(s: dict[str, Any]) -> str:
 
 
 def judge(row: dict[str, Any]) -> Judged:
-    """The check's answer against the truth, at every seed (the first that is not right decides the row)."""
+    """The check's answer against the truth, at every seed (the worst decides the row: crash, miss, false alarm,
+    refused, truth unknown, right). A row whose process died in the check (killed for memory) is a crash; one that
+    ended before the check is not built."""
     if "error" in row:
-        return Judged(row, "timeout" if row.get("timeout") else "not built", [row["error"]])
+        outcome = "timeout" if row.get("timeout") else "crash" if row.get("died") == "check" else "not built"
+        return Judged(row, outcome, [row["error"]])
     outcomes = []
     for s in row["seeds"]:
         prefix = f"seed {s['seed']}: " if len(row["seeds"]) > 1 else ""
@@ -586,11 +600,13 @@ def _cell(text: str) -> str:
 
 def table(judged: list[Judged]) -> str:
     """The markdown table: a row per architecture and task, then the counts."""
-    lines = ["| architecture | task | class | params | truth | verdict | named modules | untested | check s | outcome |",
+    lines = ["| architecture | task | class | params | truth | verdict | named modules | untested | check s "
+             "| outcome |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for j in judged:
         r, seeds = j.row, j.row.get("seeds", [])
-        truths = ", ".join(dict.fromkeys(s["truth"] + (f" ({s['why']})" if s.get("why") else "") for s in seeds)) or "-"
+        truths = ", ".join(dict.fromkeys(s["truth"] + (f" ({_short(s['why'])})" if s.get("why") else "")
+                                         for s in seeds)) or "-"
         verdicts = ", ".join(dict.fromkeys(s["verdict"] for s in seeds)) or "-"
         named = max((len(s.get("named", [])) for s in seeds), default=0)
         untested = max((s.get("untested", 0) for s in seeds), default=0)
@@ -605,11 +621,18 @@ def table(judged: list[Judged]) -> str:
     return "\n".join(lines)
 
 
+def _short(why: str) -> str:
+    """The truth's reasons without their figures, for the table (the JSON rows keep them)."""
+    return re.sub(r" \([^()]*\)", "", why)
+
+
 def summary(judged: list[Judged]) -> str:
-    """N rows: a right, b false alarm, ... (every outcome, in a fixed order, the ones that occurred)."""
+    """N rows: a right, b false alarm, ... (in a fixed order: the check's outcomes and not built always, the others
+    where they occurred)."""
     order = ("right", "false alarm", "miss", "crash", "refused", "truth unknown", "timeout", "not built")
     counts = {k: sum(j.outcome == k for j in judged) for k in order}
-    return f"{len(judged)} rows: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n or k in order[:5])
+    return f"{len(judged)} rows: " + ", ".join(f"{n} {k}" for k, n in counts.items()
+                                               if n or k in order[:5] or k == "not built")
 
 
 def run_row(name: str, seeds: Sequence[int], timeout: float) -> dict[str, Any]:
@@ -621,15 +644,21 @@ def run_row(name: str, seeds: Sequence[int], timeout: float) -> dict[str, Any]:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        phases = [line.split(": ", 1)[1] for line in err.splitlines() if line.startswith("phase: ")]
-        phase = phases[-1] if phases else "start"
+        phase = _last_phase(e.stderr)
         return {**row, "timeout": phase, "error": f"took over {timeout:.0f} s (in: {phase})"}
     last = [line for line in done.stdout.strip().splitlines() if line.startswith("{")][-1:]
     if done.returncode != 0 or not last:
         why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        return {**row, "error": f"exit {done.returncode}: {why}"[:240]}
+        phase = _last_phase(done.stderr)
+        return {**row, "died": phase, "error": f"exit {done.returncode} (in: {phase}): {why}"[:240]}
     return json.loads(last[0])
+
+
+def _last_phase(stderr: str | bytes | None) -> str:
+    """The phase a row's process was in when it ended: build, truth or check (each said on stderr as it starts)."""
+    err = stderr.decode(errors="replace") if isinstance(stderr, bytes) else (stderr or "")
+    phases = [line.split(": ", 1)[1] for line in err.splitlines() if line.startswith("phase: ")]
+    return phases[-1] if phases else "start"
 
 
 def _list(text: str) -> list[str]:
