@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, compare, progress, tuning
 from gaexp.check import cli as check_cli
-from gaexp.tools import bench, drift, eta_replay, gpucheck, server, storebench, storegen, ui, zoo
+from gaexp.tools import bench, drift, eta_replay, gpucheck, hf_zoo, server, storebench, storegen, ui, zoo
 from gaexp.data import __main__ as data_command
 from gaexp.config import job_config, composition_problem, compose_config, hydra_overrides, sweep_cases, typed, unknown_choice
 
@@ -38,7 +38,7 @@ PARSERS = {"gaexp-report": analysis.main, "gaexp-status": progress.main, "gaexp-
            "gaexp.data": data_command.main, "gaexp.tools.bench": bench.main, "gaexp.tools.zoo": zoo.main, "gaexp.compare": compare.main,
            "gaexp.tools.ui": ui.main, "gaexp.tools.eta_replay": eta_replay.main, "gaexp.tools.storegen": storegen.main,
            "gaexp.tools.storebench": storebench.main, "gaexp.tools.server": server.main, "gaexp.tools.gpucheck": gpucheck.main,
-           "gaexp.tools.drift": drift.main}
+           "gaexp.tools.drift": drift.main, "gaexp.tools.hf_zoo": hf_zoo.main}
 NEEDS = re.compile(r"\(needs: (slurm|gpu|server|internet|nodes)\b")  # (needs: internet, once: ...) too
 
 
