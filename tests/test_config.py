@@ -319,7 +319,8 @@ WING = {name: [*(f"{name}.{m}" for m in modules), name] for name, modules in {  
     "progress": ("cost", "account", "sweep", "live", "status", "__main__"),
     "analysis": ("columns", "collection", "stats", "figures", "tables", "reporting", "__main__")}.items()}
 CHECK = ("errors", "evidence", "trees", "state", "recorder", "loss", "numerics", "report", "randomness", "step",
-         "coupling", "remedies", "accumulation")  # the check wing, bottom up (gaexp/check/__init__.py)
+         "coupling", "terms", "remedies", "accumulation", "hf", "first_step", "hf_callback",
+         "lightning_callback")  # the check wing, bottom up (gaexp/check/__init__.py)
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
@@ -327,7 +328,7 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
               "data.custom", "data.dataset", "data", "data.__main__", "precision", "hooks", "liveness", "trial", "layers",
               "norms", "model", "memory", "batched", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
-              "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo",
+              "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo", "tools.hf_zoo",
               "tools.gpucheck", "callbacks", "app", "__main__", *FIRST_NAMES]),
           f"{OPTUNA}._space", f"{OPTUNA}._protocol", f"{OPTUNA}._heartbeat", f"{OPTUNA}._impl",
           f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
