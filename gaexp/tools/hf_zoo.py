@@ -408,7 +408,11 @@ def truth(model: Any, inputs: Mapping[str, Any], micro_batch: int, dtype: str = 
 
 
 def _line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:240]
+    """The exception in one line: its first, and the next when the first only introduces it (pydantic-like
+    validation errors say the cause on their second line)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(e).__name__}: {text}"[:240]
 
 
 def _phase(name: str) -> None:
