@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import signal
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path

@@ -118,8 +118,9 @@ def ending_as_ctrl_c() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {s: signal.signal(s, _end) for s in (*ENDING, signal.SIGALRM)}
-    signal.signal(signal.SIGALRM, before[signal.SIGALRM])
+    before = {s: signal.getsignal(s) for s in (*ENDING, signal.SIGALRM)}  # SIGALRM: _end may set it
+    for s in ENDING:
+        signal.signal(s, _end)
     try:
         yield
     finally:

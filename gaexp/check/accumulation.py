@@ -22,11 +22,11 @@ from gaexp.check.loss import MODEL_LOSS, LossContract, loss_contract, measure_lo
 from gaexp.check.numerics import PrecisionDrift, precision_config_of, precision_drift
 from gaexp.check.randomness import switch_off_random
 from gaexp.check.remedies import causes_of, remedies_for
-from gaexp.check.report import BufferDiff, Coupling, LossTerm, RandomModule, Report, TensorDiff
+from gaexp.check.report import BufferDiff, Coupling, LossTerm, RandomModule, Report
 from gaexp.check.state import Kept, Streams, cuda_devices
 from gaexp.check.step import forward_fails, gradient_diffs, take_step
 from gaexp.check.terms import measure_terms
-from gaexp.check.trees import diff_norms, is_batched, module_label, nonfinite, rel_diff, rows_of, safe_ratio, sample_axes
+from gaexp.check.trees import is_batched, module_label, nonfinite, rel_diff, rows_of, sample_axes
 from gaexp.config import FP32, PrecisionConfig
 
 

@@ -338,11 +338,15 @@ def load_loss(target: str | None) -> Callable[..., torch.Tensor] | str | None:
     return fn
 
 
+def require_sizes(subject: Subject) -> None:
+    if subject.micro_batch < 1 or subject.num_accum < 2:
+        raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, k >= 2")
+
+
 def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """b*k inputs of the subject's shape and a class target each, from the model's own output classes."""
     n = subject.micro_batch * subject.num_accum
-    if subject.micro_batch < 1 or subject.num_accum < 2:
-        raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, k >= 2")
+    require_sizes(subject)
     generator = torch.Generator().manual_seed(args.seed)
     if subject.data is None:
         inputs = torch.rand((n, *subject.input_shape), generator=generator)
@@ -426,9 +430,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
             count = hf.trainer_count(subject.model)  # a compute_loss_func: given the step's count as the Trainer counts
         if subject.task is not None:
             n = subject.micro_batch * subject.num_accum
-            if subject.micro_batch < 1 or subject.num_accum < 2:
-                raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, "
-                                 "k >= 2")
+            require_sizes(subject)
             inputs, labels = hf.task_inputs(subject.model, subject.task, n, subject.micro_batch, args.seq_len,
                                             args.pad, args.seed)
             if loss != MODEL_LOSS:  # a compute_loss_func of one's own: the Trainer pops the labels for it

@@ -21,6 +21,8 @@ from gaexp.check.loss import IGNORE_INDEX
 from gaexp.check.report import Report
 
 PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0, "token_type_ids": 0}  # by key; input ids: the pad token
+METRICS = ("safe", "gradient_rel", "loss_rel")  # a trainer's loggers get them as gaexp_check/NAME
+VERDICT_TAG = "gaexp.check.verdict"  # the MLflow tag of the verdict, safe or unsafe
 
 
 class AccumulationError(RuntimeError):
@@ -103,6 +105,11 @@ def check_first_step(model: nn.Module, batches: Sequence[Any], split: Callable[[
     inputs, targets = split(joined)
     return check_accumulation(model, inputs, targets, loss, micro_batch=b, num_accum=len(full),
                               num_items_in_batch=num_items_in_batch)
+
+
+def figures(report: Report) -> dict[str, float]:
+    """The report's figures as a trainer's loggers take them."""
+    return {f"gaexp_check/{name}": float(getattr(report, name)) for name in METRICS}
 
 
 def verdict_line(report: Report, trainer: str) -> str:

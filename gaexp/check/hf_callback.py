@@ -26,14 +26,12 @@ from typing import Any, Callable
 from transformers import TrainerCallback
 
 from gaexp.check.errors import CheckError, NonFiniteError
-from gaexp.check.first_step import AccumulationError, check_first_step, first_batches, verdict_line
+from gaexp.check.first_step import VERDICT_TAG, AccumulationError, check_first_step, figures, first_batches, verdict_line
 from gaexp.check.hf import trainer_count
 from gaexp.check.loss import MODEL_LOSS
 from gaexp.check.report import Report
 
 logger = logging.getLogger("gaexp.check")
-METRICS = ("safe", "gradient_rel", "loss_rel")  # logged as gaexp_check/NAME
-VERDICT_TAG = "gaexp.check.verdict"
 
 
 def accepts_loss_kwargs(model: Any) -> bool:
@@ -41,10 +39,6 @@ def accepts_loss_kwargs(model: Any) -> bool:
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
-
-
-def figures(report: Report) -> dict[str, float]:
-    return {f"gaexp_check/{name}": float(getattr(report, name)) for name in METRICS}
 
 
 class AccumulationCheck(TrainerCallback):

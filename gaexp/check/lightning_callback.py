@@ -24,8 +24,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import MLFlowLogger
 
 from gaexp.check.errors import CheckError, NonFiniteError
-from gaexp.check.first_step import AccumulationError, check_first_step, first_batches, verdict_line
-from gaexp.check.hf_callback import VERDICT_TAG, figures
+from gaexp.check.first_step import VERDICT_TAG, AccumulationError, check_first_step, figures, first_batches, verdict_line
 from gaexp.check.loss import MODEL_LOSS
 from gaexp.check.report import Report
 

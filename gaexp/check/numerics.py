@@ -136,7 +136,8 @@ def flat(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def precision_drift(model: nn.Module, inputs: Any, targets: Any,
-                    loss: Callable[..., torch.Tensor] | LossContract | str | None = None, *, micro_batch: int, num_accum: int, precision: PrecisionConfig | str) -> PrecisionDrift:
+                    loss: Callable[..., torch.Tensor] | LossContract | str | None = None, *, micro_batch: int,
+                    num_accum: int, precision: PrecisionConfig | str) -> PrecisionDrift:
     """One training step of `model` (its training flags as they are; the model itself untouched) under
     `precision` (a PrecisionConfig, or gaexp's name: bf16, fp16, bf16w, bf16w-acc32), taken as `num_accum`
     micro-batches of `micro_batch` and as one batch, each against the same step in float64: a float64 copy of

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path, tree_leaves
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path
 
 from gaexp.check.errors import CheckError, NonFiniteError
-from gaexp.check.loss import IGNORE_INDEX, LossContract, split_kind
+from gaexp.check.loss import LossContract, count_items, split_kind
 from gaexp.check.report import GIVEN, LossTerm
 from gaexp.check.state import Streams
 from gaexp.check.step import forward_fails, gradient_diffs
@@ -50,13 +50,12 @@ def loss_like(names: list[str], leaves: list[Any], axes: list[int | None]) -> li
 
 
 def item_counts(targets: Any, n: int, chunks: list[tuple[int, int]]) -> list[int]:
-    """Each micro-batch's count of valid target items (integer entries that are not IGNORE_INDEX); [] for targets
-    with none."""
-    ints = [t for t in tree_leaves(targets) if isinstance(t, torch.Tensor)
-            and not t.is_floating_point() and t.dim() > 0 and t.shape[0] == n]
-    if not ints:
+    """Each micro-batch's count of valid target items (count_items of its rows); [] for targets with no integer
+    tensor."""
+    try:
+        return [count_items(rows_of(targets, a, z, n)) for a, z in chunks]
+    except CheckError:
         return []
-    return [int(sum(int(t[a:z].ne(IGNORE_INDEX).sum()) for t in ints)) for a, z in chunks]
 
 
 def measure_terms(model: nn.Module, inputs: Any, targets: Any, contract: LossContract, n: int,
