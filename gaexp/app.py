@@ -18,12 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gaexp import liveness, redact, targets
+from gaexp import faults, liveness, redact, targets
 from gaexp.config import (CONFIG_DIR, FAILED_MARKER, compose_config, composition_problem, hydra_overrides, sweep_cases,
                           unknown_choice)
 from gaexp.machine import launched_problem, torchrun_rank
 
 log = logging.getLogger(__name__)
+_storage_fault: faults.StorageFault | None = None  # the one a cell of this process met: no cell here records after
 
 
 @contextmanager
@@ -47,13 +48,19 @@ def main(cfg: DictConfig) -> float:
     from gaexp.hooks import Stopped
 
     redact.mask_logs()  # the job's console and log file
+    faults.quiet_storage_noise()  # a full disk: one line, not a traceback per log record
     hc = HydraConfig.get()
     output_dir = Path(hc.runtime.output_dir)
     watch = liveness.sweep_watch()  # in a launcher's worker: the sweep's process, to stop with it
     with watch.running_cell() if watch is not None else nullcontext():
         try:
             if hc.mode != RunMode.MULTIRUN:
-                return run_cell(cfg, sweep_id=Path(hc.run.dir).name, hydra_dir=output_dir / hc.output_subdir)
+                try:
+                    return run_cell(cfg, sweep_id=Path(hc.run.dir).name, hydra_dir=output_dir / hc.output_subdir)
+                except Exception as e:
+                    if fault := faults.storage_fault(e, cfg.mlflow.tracking_uri, cfg.paths.outputs):
+                        raise SystemExit(redact.mask(f"error: {fault}")) from None
+                    raise
             return sweep_cell(cfg, hc, output_dir)
         except Stopped as e:  # a trial its pruner stopped: not a failure, the sweeper records it PRUNED
             import optuna
@@ -63,10 +70,15 @@ def main(cfg: DictConfig) -> float:
 
 def sweep_cell(cfg: DictConfig, hc: DictConfig, output_dir: Path) -> float:
     """A cell in a multirun: the launching terminal shows the sweep's progress, the cell's lines go to its
-    gaexp.log; a cell that fails leaves FAILED_MARKER and nan, and the others run."""
+    gaexp.log; a cell that fails leaves FAILED_MARKER and nan, and the others run. A storage fault (a full disk:
+    gaexp/faults.py) is raised instead, as one line, for the sweep to stop starting cells; a later cell in this
+    process meets it at once."""
+    global _storage_fault
     from gaexp.cell import run_cell
     from gaexp.hooks import Stopped
 
+    if _storage_fault is not None:
+        raise _storage_fault
     try:
         with quiet_console(not hc.verbose):
             return run_cell(cfg, sweep_id=Path(hc.sweep.dir).name, hydra_dir=output_dir / hc.output_subdir,
@@ -74,6 +86,9 @@ def sweep_cell(cfg: DictConfig, hc: DictConfig, output_dir: Path) -> float:
     except Stopped:
         raise
     except Exception as e:  # noqa: BLE001 - one failed cell must not stop the others; FailuresCallback reports it
+        if fault := faults.storage_fault(e, cfg.mlflow.tracking_uri, cfg.paths.outputs):
+            _storage_fault = fault
+            raise fault from None
         log.exception("cell %s failed", hc.job.override_dirname)  # masked, its traceback too (redact.mask_logs)
         (output_dir / FAILED_MARKER).write_text(redact.masked_exception(e))
         return float("nan")

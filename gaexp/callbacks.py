@@ -23,7 +23,7 @@ from hydra.experimental.callback import Callback
 from hydra_plugins.gaexp_optuna_sweeper.config import RESULTS
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from gaexp import liveness, redact
+from gaexp import faults, liveness, redact
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, Config, job_config, typed
 from gaexp.machine import torchrun_rank
 from gaexp.tags import report_tags
@@ -116,7 +116,8 @@ class PrepareCallback(Callback):
         try:
             prepare(config)
         except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
-            raise SystemExit(redact.mask(f"error: {e}")) from None
+            said = faults.storage_fault(e, config.mlflow.tracking_uri, config.paths.outputs) or e  # a full disk too
+            raise SystemExit(redact.mask(f"error: {said}")) from None
         for warning in launcher_warnings(config):
             log.warning(warning)
 
@@ -125,10 +126,11 @@ class PrepareCallback(Callback):
 # steps, matplotlib building its font cache), the launchers' lines (joblib's Parallel(...) settings; a search's
 # jobs, one line of overrides and storage each per batch), a warning printed after Ctrl-C (the semaphores its
 # resource tracker then cleans up). Warnings and errors of the same loggers still show.
-QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic", "matplotlib.font_manager")
+QUIET_LOGGERS = ("alembic", "matplotlib.font_manager")
 LAUNCHER_LOGGERS = ("hydra._internal.core_plugins.basic_launcher", "hydra_plugins.hydra_joblib_launcher._core",
                     "hydra_plugins.hydra_submitit_launcher.submitit_launcher", "hydra_plugins.hydra_ray_launcher._core",
-                    "hydra_plugins.gaexp_grid_sweeper.submitit_launcher")
+                    "hydra_plugins.gaexp_grid_sweeper.submitit_launcher",
+                    "hydra_plugins.gaexp_grid_sweeper.joblib_launcher")
 PARALLEL_LINE, JOB_LINE = r"Joblib\.Parallel\(", r"\t#\d+ : "  # hydra_joblib_launcher's, every launcher's
 QUIET_WARNINGS = "ignore:resource_tracker:UserWarning"  # a PYTHONWARNINGS entry, for the processes it starts
 
@@ -150,6 +152,7 @@ def quiet_libraries(search: bool, outputs: Path) -> None:
     would otherwise rebuild its font cache in a new temporary folder in every process and say so."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    faults.quiet_storage_noise()  # MLflow's store logger: its errors repeat the exception it raises next
     pattern = f"{PARALLEL_LINE}|{JOB_LINE}" if search else PARALLEL_LINE
     for name in LAUNCHER_LOGGERS:
         logger = logging.getLogger(name)

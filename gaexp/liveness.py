@@ -45,6 +45,53 @@ def process_alive(pid: int, started: str | None = None) -> bool:
     return True
 
 
+def rss_bytes(pid: int) -> int | None:
+    """The memory process `pid` holds now (/proc/PID/status VmRSS); None once it is gone, or without /proc."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+OOM_EVENTS = Path("/sys/fs/cgroup/memory.events")  # cgroup v2: `oom_kill N`, the processes its OOM killer ended
+
+
+def oom_kills(events: Path = OOM_EVENTS) -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended in this cgroup; None where unreadable."""
+    try:
+        lines = events.read_text().splitlines()
+    except OSError:
+        return None
+    counts = dict(line.split() for line in lines if len(line.split()) == 2)
+    return int(counts["oom_kill"]) if counts.get("oom_kill", "").isdigit() else None
+
+
+def death(exitcode: int | None, held: int | None = None, oom_killed: bool = False) -> str:
+    """Why a worker process ended without a result, from its exit code (-N: signal N): `killed by SIGKILL, holding
+    1.2 GiB` and, for SIGKILL, who sends it (the kernel's OOM killer, when its count went up meanwhile)."""
+    if exitcode is None:
+        what = "ended (its exit code unknown)"
+    elif exitcode < 0:
+        try:
+            what = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            what = f"killed by signal {-exitcode}"
+    else:
+        what = f"exited with status {exitcode}"
+    if held:
+        what += f", holding {held / 2**30:.1f} GiB"
+    if exitcode == -signal.SIGKILL:
+        what += (" (the kernel's out-of-memory killer)" if oom_killed
+                 else " (the kernel's out-of-memory killer sends it, as does `kill -9`)")
+    elif exitcode == -signal.SIGSEGV:
+        what += " (a crash in native code: torch, a driver, a C extension)"
+    return what
+
+
 def descendants(pid: int) -> list[int]:
     """The processes below `pid` (its children, theirs, ...), from /proc's parent ids; [] without /proc."""
     parents: dict[int, list[int]] = {}

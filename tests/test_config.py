@@ -325,13 +325,14 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
               "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
-              "data.custom", "data.dataset", "data", "data.__main__", "precision", "hooks", "liveness", "trial", "layers",
+              "data.custom", "data.dataset", "data", "data.__main__", "precision", "hooks", "liveness", "faults", "trial",
+              "layers",
               "norms", "model", "memory", "batched", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
               "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo", "tools.hf_zoo",
               "tools.gpucheck", "callbacks", "app", "__main__", *FIRST_NAMES]),
           f"{OPTUNA}._space", f"{OPTUNA}._protocol", f"{OPTUNA}._heartbeat", f"{OPTUNA}._impl",
-          f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.submitit_launcher",
+          f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.failed", f"{GRID}.submitit_launcher", f"{GRID}.joblib_launcher",
           "hydra_plugins.gaexp_regimes.source"]
 WINGS = {"gaexp.data": ("gaexp.config", "gaexp.targets"),  # a wing's modules import these of gaexp and their own wing
          "gaexp.check": ("gaexp.config", "gaexp.precision", "gaexp.norms"),  # (its command, check.cli, anything below)

@@ -122,6 +122,34 @@ def test_stale_running_runs_are_marked_killed(store):
     assert client.get_run(silent.info.run_id).data.tags["gaexp.killed_reason"] == "no heartbeat for 7200 s"
 
 
+def test_the_runs_a_dead_worker_left_running_end_failed_with_why(store):
+    """A launcher's worker killed in its cell (gaexp_grid_sweeper/joblib_launcher.py): its RUNNING run ends FAILED
+    with the reason as its error; another process's runs, and its own that had ended, stay as they are."""
+    client, experiment_id, _ = store
+    here = socket.gethostname()
+    left = client.create_run(experiment_id, run_name="left", tags={runtags.HOST: f"{here}:4711"}).info.run_id
+    other = client.create_run(experiment_id, run_name="other", tags={runtags.HOST: f"{here}:4712"}).info.run_id
+    done = client.create_run(experiment_id, run_name="done", tags={runtags.HOST: f"{here}:4711"}).info.run_id
+    client.set_terminated(done, "FINISHED")
+    elsewhere = client.create_run(experiment_id, run_name="elsewhere", tags={runtags.HOST: "elsewhere:4711"}).info.run_id
+    assert tracking.fail_runs_of(client, experiment_id, 4711, "worker 4711 killed by SIGKILL") == ["left"]
+    assert client.get_run(left).info.status == "FAILED"
+    assert client.get_run(left).data.tags["error"] == "worker 4711 killed by SIGKILL"
+    assert [client.get_run(r).info.status for r in (other, done, elsewhere)] == ["RUNNING", "FINISHED", "RUNNING"]
+
+
+def test_a_dead_worker_is_said_by_its_signal_memory_and_who_sends_it(tmp_path):
+    assert liveness.death(-9, 1_395_864_371, oom_killed=True) == (
+        "killed by SIGKILL, holding 1.3 GiB (the kernel's out-of-memory killer)")
+    assert liveness.death(-9) == "killed by SIGKILL (the kernel's out-of-memory killer sends it, as does `kill -9`)"
+    assert liveness.death(-11).startswith("killed by SIGSEGV (a crash in native code")
+    assert liveness.death(3) == "exited with status 3" and liveness.death(None) == "ended (its exit code unknown)"
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n")  # cgroup v2's format
+    assert liveness.oom_kills(events) == 2 and liveness.oom_kills(tmp_path / "none") is None
+    assert liveness.rss_bytes(os.getpid()) > 10 * 2**20 and liveness.rss_bytes(2**22 + 1) is None
+
+
 def test_a_process_is_known_by_its_pid_and_start_time():
     me = os.getpid()
     started = liveness.process_start(me)

@@ -13,7 +13,7 @@ from gaexp.tracking.search import PAGE_SIZE, search_all, bulk_read, newest_run, 
 from gaexp.tracking.record import (MAX_PARAM_LENGTH, MAX_TAG_LENGTH, flatten, curves_tags, curves_of, tracked_run,
                                    log_masked_artifacts, log_params, log_eval_point, MlflowLogger, log_summary)
 from gaexp.tracking.resume import (protocol_key, find_finished, recorded_process, live_runs, wait_for_live_runs,
-                                   add_to_sweep, mark_stale_runs)
+                                   add_to_sweep, mark_stale_runs, fail_runs_of)
 from gaexp.tracking.inputs import (DATA_CONTEXT, TRAINING, VALIDATION, data_digest, dataset_input, data_inputs,
                                    PREPROCESSING, content_inputs, log_content_inputs, DUPLICATE, log_data_inputs)
 from gaexp.tracking.models import MODEL_NAME, log_model, load_model
@@ -23,6 +23,7 @@ __all__ = ["is_remote", "check_server", "without_userinfo", "prepare_store", "TA
            "MAX_PARAM_LENGTH", "MAX_TAG_LENGTH", "flatten", "curves_tags", "curves_of", "tracked_run",
            "log_masked_artifacts", "log_params", "log_eval_point", "MlflowLogger", "log_summary", "protocol_key",
            "find_finished", "recorded_process", "live_runs", "wait_for_live_runs", "add_to_sweep", "mark_stale_runs",
+           "fail_runs_of",
            "DATA_CONTEXT", "TRAINING", "VALIDATION", "data_digest", "dataset_input", "data_inputs", "PREPROCESSING",
            "content_inputs", "log_content_inputs", "DUPLICATE", "log_data_inputs", "MODEL_NAME", "log_model",
            "load_model"]

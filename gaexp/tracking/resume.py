@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import liveness
 from gaexp.config import protocol_part
-from gaexp.tags import HEARTBEAT, HOST, KILLED_REASON, PROCESS_START, PROTOCOL_KEY, SLURM_JOB, SWEEPS, filter_equals
+from gaexp.tags import ERROR, HEARTBEAT, HOST, KILLED_REASON, PROCESS_START, PROTOCOL_KEY, SLURM_JOB, SWEEPS, filter_equals
 from gaexp.tracking.search import search_all, sweeps_of
 
 log = logging.getLogger("gaexp.app")  # the application log, one name across its modules
@@ -107,3 +107,15 @@ def mark_stale_runs(client: MlflowClient, experiment_id: str, stale_after_s: flo
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         marked.append(f"{run.info.run_name} ({reason})")
     return marked
+
+
+def fail_runs_of(client: MlflowClient, experiment_id: str, pid: int, reason: str) -> list[str]:
+    """End FAILED, with `reason` as the error, the RUNNING runs that process `pid` on this host left when it died
+    (a launcher's worker killed in its cell); returns their names."""
+    failed = []
+    for run in search_all(client, [experiment_id],
+                          f"attributes.status = 'RUNNING' and {filter_equals(HOST, f'{socket.gethostname()}:{pid}')}"):
+        client.set_tag(run.info.run_id, ERROR, reason)
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
+        failed.append(run.info.run_name)
+    return failed

@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf
+
+from hydra_plugins.gaexp_grid_sweeper.failed import failed_cell
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +137,8 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         return outcomes
 
     def failed_cell(self, overrides: Sequence[str], reason: str) -> JobReturn:
-        """What a cell that raised leaves (gaexp.app.main): FAILED.txt with the reason in its job folder (the
-        folder its task would have used, made if the task never started), and nan."""
         assert self.config is not None and self.hydra_context is not None
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        folder = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-        folder.mkdir(parents=True, exist_ok=True)
-        from gaexp.config import FAILED_MARKER
-
-        (folder / FAILED_MARKER).write_text(reason)
-        log.error("%s: %s, without a result; counted as a failed cell", " ".join(filter_overrides(overrides)), reason)
-        return JobReturn(overrides=list(overrides), working_dir=str(folder), task_name=cfg.hydra.job.name,
-                         status=JobStatus.COMPLETED, _return_value=float("nan"))
+        return failed_cell(self.config, self.hydra_context, overrides, reason)
 
     def submit(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[Any]:
         """hydra-submitit-launcher 1.2's `launch` up to the submission: the array's jobs, not yet waited for."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterator, List, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobStatus
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -125,8 +126,6 @@ class GridSweeper(BasicSweeper):
         size = self.max_batch_size or len(cells)
         self.overrides = [cells[i:i + size] for i in range(0, len(cells), size)]
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         at_once = self.config.get("cells_at_once")
         units = progress.graph_units(graphs)
         plan = progress.Plan(len(cells), sum(costs) + units * progress.GRAPH_S,
@@ -134,7 +133,14 @@ class GridSweeper(BasicSweeper):
         log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
                  self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
                  duration(plan.expected_s))
-        with self.resumable(sweep_dir.name, len(cells)), self.tracked(plan, sweep_dir):
+        with self.resumable(sweep_dir.name, len(cells)):
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+            return self.launch_all(plan, sweep_dir)
+
+    def launch_all(self, plan: progress.Plan, sweep_dir: Path) -> Any:
+        """Every batch of cells through the launcher, the plan tracked meanwhile."""
+        with self.tracked(plan, sweep_dir):
             returns, job_idx = [], 0
             while not self.is_done():
                 batch = self.get_job_batch()
@@ -145,6 +151,8 @@ class GridSweeper(BasicSweeper):
                         raise
                     raise SystemExit(uncompleted(e)) from None
                 for r in results:
+                    if r.status == JobStatus.FAILED and self.storage_fault(r._return_value):
+                        raise r._return_value  # said in one line by `resumable`, without Hydra's line before it
                     _ = r.return_value  # as the basic sweeper: a job's exception surfaces here
                 job_idx += len(batch)
                 returns.append(results)
@@ -154,20 +162,32 @@ class GridSweeper(BasicSweeper):
     def resumable(self, sweep_id: str, total: int) -> Iterator[None]:
         """Ctrl-C (SIGINT), or SIGTERM or SIGHUP (gaexp.liveness.Ended): once the plan run and the cells' runs are
         KILLED (tracking.tracked_run), one line instead of the launcher's traceback, and exit status 130 (143,
-        129)."""
+        129). A storage fault (gaexp/faults.py: a full disk, wherever it surfaced), once no cell runs: one line
+        with the cells finished and what to do, status 1."""
         from gaexp import liveness
 
         try:
             yield
         except BaseException as e:  # noqa: BLE001 - after SIGTERM, a worker's pool broken by the end is that end
+            fault = None if isinstance(e, (SystemExit, KeyboardInterrupt)) else self.storage_fault(e)
+            if fault is not None:
+                print(self.resume_line(f"error: {fault.cause}", sweep_id, total, f"{fault.todo}, then rerun"),
+                      file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
             if isinstance(e, SystemExit) or not (isinstance(e, KeyboardInterrupt) or liveness.ended()):
                 raise
-            print(self.interrupted(sweep_id, total), file=sys.stderr, flush=True)
+            print(self.resume_line("interrupted", sweep_id, total), file=sys.stderr, flush=True)
             raise SystemExit(liveness.exit_status(e)) from None
 
-    def interrupted(self, sweep_id: str, total: int) -> str:
-        """How many of the sweep's cells finished (in the store: the ones it trained and the ones it skipped as
-        FINISHED earlier), and the command that resumes it."""
+    def storage_fault(self, e: BaseException) -> Any:
+        """The storage fault in `e`, if any (gaexp/faults.py), SQLite's naming this command's store."""
+        from gaexp import faults
+
+        return faults.storage_fault(e, self.config.mlflow.tracking_uri, self.config.paths.outputs)
+
+    def resume_line(self, head: str, sweep_id: str, total: int, todo: str = "rerun") -> str:
+        """`head`, how many of the sweep's cells finished (in the store: the ones it trained and the ones it
+        skipped as FINISHED earlier), and the command that resumes it."""
         from mlflow.tracking import MlflowClient
 
         from gaexp import progress, tracking
@@ -180,7 +200,7 @@ class GridSweeper(BasicSweeper):
             done = f": {sum(c.status in ('FINISHED', 'SKIPPED') for c in cells)} of {total} cells finished"
         except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a store busy, a second Ctrl-C: the line without it
             done = ""
-        return mask(f"interrupted{done}; rerun the same command to resume, finished cells are skipped: "
+        return mask(f"{head}{done}; {todo} the same command to resume, finished cells are skipped: "
                     f"gaexp {shlex.join(sys.argv[1:])}")
 
     @contextmanager
