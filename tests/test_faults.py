@@ -16,6 +16,7 @@ import pickle
 import shutil
 import sqlite3
 import subprocess
+import sys
 
 import pytest
 from mlflow.exceptions import MlflowException
@@ -171,3 +172,29 @@ def test_a_sweep_on_a_full_disk_says_one_line_and_resumes_once_there_is_room(tmp
         assert "RUNNING" not in {r.info.status for r in runs}  # the full disk's leftovers marked KILLED
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+@pytest.mark.slow
+def test_a_store_another_process_keeps_locked_beyond_the_retries_is_one_line(tmp_path, compose, monkeypatch):
+    """Another process holds the SQLite store's write lock longer than MLflow waits (its busy_timeout, 20 s): the
+    cell raises the one line naming the store, records nothing, and the store stays intact."""
+    cfg = compose(*TINY, "norm=gn4", "regime=bs4a1", "train.num_iterations=2", outputs=tmp_path)
+    prepare(cfg)
+    out = tmp_path / "multirun" / "s" / "0"
+    out.mkdir(parents=True)
+    monkeypatch.setattr(app, "_storage_fault", None)
+    hold = ("import sqlite3, sys, time; db = sqlite3.connect(sys.argv[1], isolation_level=None); "
+            "db.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(300)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "mlflow.db")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(faults.StorageFault) as raised:
+            app.sweep_cell(cfg, job(tmp_path), out)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(raised.value).startswith(f"the SQLite store is locked beyond its retries at {tmp_path}/mlflow.db: "
+                                        "another process holds it")
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        assert db.execute("pragma integrity_check").fetchall() == [("ok",)]
+        assert db.execute("SELECT count(*) FROM runs").fetchone() == (0,)

@@ -1,6 +1,6 @@
 """launch=joblib (hydra_plugins/gaexp_grid_sweeper/joblib_launcher.py): a worker killed in its cell, as the OOM
 killer kills one, fails that cell alone in one line naming the signal, its run FAILED with the reason; the other
-cells finish in the same command, a fresh worker taking the next; the rerun trains only the failed cell."""
+cells finish in the same command, a fresh worker taking the next. (The rerun of failed cells: test_reliability.py.)"""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ VICTIM = '''
 import os, signal, time
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+
 from gaexp.liveness import launching_process
 from gaexp.model import SimpleModel
 
 
 class Net(SimpleModel):
-    """The study's CNN. Under GAEXP_TEST_KILL=FOLDER, in a launcher's worker: each training forward leaves the
-    worker's pid in FOLDER, and the first worker at its 4th one while another worker trains SIGKILLs itself, as
-    the OOM killer would (once per FOLDER)."""
+    """The study's CNN. In a launcher's worker, under GAEXP_TEST_KILL=FOLDER and GAEXP_TEST_KILL_AT=JOB:N,...:
+    each training forward leaves the worker's pid in FOLDER, and job JOB's worker SIGKILLs itself at its N-th
+    one, as the OOM killer would, once another worker has trained (so that one is mid-cell), once per FOLDER."""
 
     forwards = 0
 
@@ -32,23 +34,32 @@ class Net(SimpleModel):
         if self.training and folder and launching_process() is not None:
             Net.forwards += 1
             Path(folder, str(os.getpid())).write_text("")
-            deadline = time.monotonic() + 120
-            while Net.forwards == 4 and len(list(Path(folder).glob("[0-9]*"))) < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)  # until a second worker trains: its cell must go on
-            if Net.forwards == 4:
-                try:
-                    os.close(os.open(Path(folder, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                except FileExistsError:
-                    pass
-                else:
-                    Path(folder, "killed").write_text(str(os.getpid()))
-                    os.kill(os.getpid(), signal.SIGKILL)
+            plan = dict(e.split(":") for e in os.environ["GAEXP_TEST_KILL_AT"].split(","))
+            job = str(HydraConfig.get().job.num)
+            mark = Path(folder, f"killed-{job}")
+            if int(plan.get(job, 0)) == Net.forwards and not mark.exists():
+                deadline = time.monotonic() + 120
+                while len(list(Path(folder).glob("[0-9]*"))) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                mark.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(x)
 
 
 def build(norm_layer, in_channels, num_classes):
     return Net(norm_layer=norm_layer, in_channels=in_channels, num_classes=num_classes)
 '''
+CELL = ["model=custom", "model.target=victim:build", "regime=bs16a1", "train.num_iterations=6", "train.eval_period=3",
+        "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.order=given"]
+
+
+def sweep(tmp_path, gaexp_argv, kill_at: str, *grid: str) -> tuple[list[str], dict, subprocess.CompletedProcess]:
+    """The sweep of `grid` with jobs' workers killed as `kill_at` says (VICTIM); its argv, env and outcome."""
+    (tmp_path / "victim.py").write_text(VICTIM)
+    (tmp_path / "kills").mkdir(exist_ok=True)
+    env = {**os.environ, "GAEXP_TEST_KILL": str(tmp_path / "kills"), "GAEXP_TEST_KILL_AT": kill_at}
+    argv = gaexp_argv(tmp_path, *CELL, *grid)
+    return argv, env, subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_cells_at_once_are_counted_as_joblib_counts_them():
@@ -60,29 +71,39 @@ def test_cells_at_once_are_counted_as_joblib_counts_them():
 @pytest.mark.slow
 def test_a_killed_worker_fails_its_own_cell_and_the_other_three_finish(tmp_path, gaexp_argv, training_runs):
     """The issue's case: a 4-cell joblib sweep, 2 at once, one worker SIGKILLed mid-cell while the other trains."""
-    (tmp_path / "victim.py").write_text(VICTIM)
-    (tmp_path / "kills").mkdir()
-    grid = ["model=custom", "model.target=victim:build", "norm=bn,gn4", "seed=1,2", "regime=bs16a1",
-            "train.num_iterations=6", "train.eval_period=3", "data.holdout=1000", "launch=joblib",
-            "hydra.launcher.n_jobs=2"]
-    env = {**os.environ, "GAEXP_TEST_KILL": str(tmp_path / "kills")}
-    done = subprocess.run(gaexp_argv(tmp_path, *grid), cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=env)
-    victim = int((tmp_path / "kills" / "killed").read_text())
+    _, _, done = sweep(tmp_path, gaexp_argv, "0:4", "norm=bn,gn4", "seed=1,2")
+    victim = int((tmp_path / "kills" / "killed-0").read_text())
     assert done.returncode == 1, done.stderr[-3000:]
     reason = f"worker {victim} killed by SIGKILL, holding "
     assert "Traceback" not in done.stderr + done.stdout and "TerminatedWorkerError" not in done.stderr
     head, line = done.stderr.splitlines()[-2:]  # the failure summary: the one failed cell, one line
     assert head == "error: 1 cell(s) failed, the others ran:" and reason in line and "out-of-memory killer" in line
+    assert "norm=bn" in line and "seed=1" in line
     client, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
-    statuses = sorted(r.info.status for r in runs.values())
-    assert statuses == ["FAILED", "FINISHED", "FINISHED", "FINISHED"]  # none left RUNNING
-    (failed,) = [r for r in runs.values() if r.info.status == "FAILED"]
-    assert failed.data.tags["error"].startswith(reason)
+    assert {name: r.info.status for name, r in runs.items()} == {
+        "custom-bn-bs16a1-s1": "FAILED", "custom-bn-bs16a1-s2": "FINISHED", "custom-gn4-bs16a1-s1": "FINISHED",
+        "custom-gn4-bs16a1-s2": "FINISHED"}  # none left RUNNING
+    assert runs["custom-bn-bs16a1-s1"].data.tags["error"].startswith(reason)
     workers = {int(p.name) for p in (tmp_path / "kills").glob("[0-9]*")}
     assert len(workers) >= 3 and not any(liveness.process_alive(pid) for pid in workers)  # a fresh one; none left
-    again = subprocess.run(gaexp_argv(tmp_path, *grid), cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                           env=env)
-    assert again.returncode == 0, again.stderr[-3000:]
-    trained = [line.split()[0] for line in again.stdout.splitlines() if " FINISHED (" in line]
-    assert trained == [failed.info.run_name]  # the other three skipped
+
+
+@pytest.mark.slow
+def test_a_worker_killed_at_its_cells_first_or_last_step_fails_that_cell_alone(tmp_path, gaexp_argv, training_runs):
+    """The fault fuzz's kills: job 0's worker at its first training forward (the cell's memory check, before its
+    run exists), job 1's at its last training step, job 2 untouched: two failed cells, each said in one line."""
+    _, _, done = sweep(tmp_path, gaexp_argv, "0:1,1:6", "norm=gn4", "seed=1,2,3")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr + done.stdout
+    head, *failed = done.stderr.splitlines()[-3:]
+    assert head == "error: 2 cell(s) failed, the others ran:"
+    for job, line in enumerate(failed):
+        pid = (tmp_path / "kills" / f"killed-{job}").read_text()
+        assert f"seed={job + 1}" in line and f"worker {pid} killed by SIGKILL" in line
+    _, runs = training_runs(f"sqlite:///{tmp_path}/mlflow.db")
+    assert {name: r.info.status for name, r in runs.items()} == {"custom-gn4-bs16a1-s2": "FAILED",
+                                                                 "custom-gn4-bs16a1-s3": "FINISHED"}
+    pid = (tmp_path / "kills" / "killed-1").read_text()
+    assert runs["custom-gn4-bs16a1-s2"].data.tags["error"].startswith(f"worker {pid} killed by SIGKILL")
+    workers = {int(p.name) for p in (tmp_path / "kills").glob("[0-9]*")}
+    assert not any(liveness.process_alive(pid) for pid in workers)
