@@ -8,10 +8,12 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+import mlflow
 import pytest
 import torch
 import yaml
@@ -32,6 +34,7 @@ from gaexp.data.idx import ensure_data
 from gaexp.hooks import EvalPoint
 from gaexp.machine import usable_cores
 from gaexp import tags as runtags
+from tests.fake_machine import store_template
 from tests.slurm_cluster import SlurmCluster
 from tests.slurm_cluster import free_port as unused_port
 from tests.slurm_cluster import unavailable as slurm_unavailable
@@ -46,8 +49,18 @@ if WORKERS > 1:  # each worker gets its share of the real cores (before a fake m
     os.environ["OMP_NUM_THREADS"] = str(THREADS)
     torch.set_num_threads(THREADS)
 FAKE_MACHINE = Path(__file__).resolve().parent / "fake_machine"  # GAEXP_TEST_CPUS, GAEXP_TEST_CPU_QUOTA: see there
+# New SQLite stores copied from one migrated by MLflow once (fake_machine/store_template.py): here and, through
+# fake_machine/sitecustomize.py, in every process the tests start.
+STORE_TEMPLATE = Path(tempfile.gettempdir()) / f"gaexp-tests-mlflow-{mlflow.__version__}-{os.getuid()}.db"
+with FileLock(f"{STORE_TEMPLATE}.lock"):
+    if not STORE_TEMPLATE.is_file():
+        part = STORE_TEMPLATE.with_name(f"{STORE_TEMPLATE.name}.{os.getpid()}")
+        store_template.make(str(part))
+        part.rename(STORE_TEMPLATE)
+store_template.install(str(STORE_TEMPLATE))
+os.environ["GAEXP_TEST_STORE_TEMPLATE"] = str(STORE_TEMPLATE)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_MACHINE), os.environ.get("PYTHONPATH")]))
 if os.environ.get("GAEXP_TEST_CPUS") or os.environ.get("GAEXP_TEST_CPU_QUOTA"):
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_MACHINE), os.environ.get("PYTHONPATH")]))
     runpy.run_path(str(FAKE_MACHINE / "sitecustomize.py"))  # this process too
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
 # The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report, the
