@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -423,3 +424,14 @@ def test_a_tracking_uri_with_a_password_reaches_the_server_as_basic_auth(monkeyp
     with pytest.raises(ConnectionError) as refused:
         tracking.check_server(f"http://carol:Car0lUrlPassw0rdZ@127.0.0.1:{closed}", timeout=0.5)
     assert str(refused.value).startswith(f"MLflow tracking server http://carol:***@127.0.0.1:{closed} unreachable: ")
+
+
+def test_logging_a_model_loads_no_lightning_and_leaves_it_importable():
+    """mlflow.pytorch imports Lightning (and through it torchmetrics and transformers, 2 s of CPU) for an
+    autologging callback gaexp never uses, where Lightning is installed, as the test extra installs it:
+    gaexp's flavour leaves it out, and an import of Lightning after still works."""
+    probe = ("import sys; from gaexp.tracking.models import pytorch_flavour; f = pytorch_flavour(); "
+             "print(f.__name__, sorted({'pytorch_lightning', 'lightning', 'transformers'} & set(sys.modules))); "
+             "import pytorch_lightning; print(pytorch_lightning.__name__)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines() == ["mlflow.pytorch []", "pytorch_lightning"], done.stderr[-2000:]

@@ -4,9 +4,12 @@ again, without retraining.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
@@ -20,6 +23,21 @@ if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logge
 
 
 MODEL_NAME = "model"  # the LoggedModel's name, shown in the runs table's Models column
+AUTOLOG_ONLY = "pytorch_lightning"  # what mlflow.pytorch imports at its end for Lightning's autologging alone
+
+
+def pytorch_flavour() -> ModuleType:
+    """mlflow.pytorch, without the Lightning autologging it loads at import where Lightning is installed: Lightning,
+    torchmetrics and transformers, 2 s of CPU in each process that logs a model, for a callback gaexp never uses.
+    An import of pytorch_lightning fails while mlflow.pytorch loads (it swallows that ImportError) and works again
+    after; in a process that loaded Lightning already, nothing changes."""
+    if "mlflow.pytorch" not in sys.modules and AUTOLOG_ONLY not in sys.modules:
+        sys.modules[AUTOLOG_ONLY] = None  # type: ignore[assignment]  # `import` raises ImportError
+        try:
+            return importlib.import_module("mlflow.pytorch")
+        finally:
+            del sys.modules[AUTOLOG_ONLY]
+    return importlib.import_module("mlflow.pytorch")
 
 
 class _PickleChosen(logging.Filter):
@@ -37,7 +55,7 @@ def log_model(client: MlflowClient, run_id: str, model: torch.nn.Module, step: i
     the process-wide tracking URI and active run: the model pickled whole (gaexp must be importable to load
     it), the run's params, and the run's metrics at `step` (default: none) linked to it. Requirements
     are given, not inferred (inference reloads the model in a subprocess, seconds per run)."""
-    import mlflow.pytorch
+    flavour = pytorch_flavour()
     mlflow_log = logging.getLogger("mlflow.pytorch")
     if not any(isinstance(f, _PickleChosen) for f in mlflow_log.filters):
         mlflow_log.addFilter(_PickleChosen())
@@ -48,8 +66,8 @@ def log_model(client: MlflowClient, run_id: str, model: torch.nn.Module, step: i
         with tempfile.TemporaryDirectory() as tmp:
             meta = Model(artifact_path=logged.artifact_location, run_id=run_id, model_uuid=logged.model_id,
                          model_id=logged.model_id)
-            mlflow.pytorch.save_model(model, Path(tmp, "model"), mlflow_model=meta, serialization_format="pickle",
-                                      pip_requirements=mlflow.pytorch.get_default_pip_requirements())
+            flavour.save_model(model, Path(tmp, "model"), mlflow_model=meta, serialization_format="pickle",
+                               pip_requirements=flavour.get_default_pip_requirements())
             client.log_model_artifacts(logged.model_id, str(Path(tmp, "model")))
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step or 0)])
         if step is not None:
@@ -67,7 +85,7 @@ def load_model(tracking_uri: str, run_id: str, device: torch.device | str = "cpu
     """The model a run logged (`log_model`; the last one if several), on `device`, in eval mode: from a SQLite
     store or a tracking server alike, nothing retrained."""
     import mlflow.artifacts
-    import mlflow.pytorch
+    flavour = pytorch_flavour()
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     outputs = run.outputs.model_outputs if run.outputs else []
@@ -81,5 +99,5 @@ def load_model(tracking_uri: str, run_id: str, device: torch.device | str = "cpu
     with tempfile.TemporaryDirectory() as tmp:
         local = mlflow.artifacts.download_artifacts(artifact_uri=logged.artifact_location, dst_path=tmp,
                                                     tracking_uri=tracking_uri)
-        model = mlflow.pytorch.load_model(local, map_location=device)
+        model = flavour.load_model(local, map_location=device)
     return model.eval()
