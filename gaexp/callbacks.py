@@ -219,6 +219,18 @@ class ReportCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if (Path(config.hydra.sweep.dir) / RESULTS).is_file():
             return  # a tuning sweep: its trials are no grid (StudiesCallback reports it)
+        try:
+            self.report(config)
+        except Exception as e:  # a full disk: one line, not Hydra's warning of MLflow's error with its SQL
+            fault = faults.storage_fault(e, config.mlflow.tracking_uri, config.paths.outputs)
+            if fault is None:
+                raise
+            sweep_id = Path(config.hydra.sweep.dir).name
+            design: AnalysisConfig = OmegaConf.to_object(config.analysis)
+            log.warning("no report for sweep %s: %s; %s, then: %s", sweep_id, fault.cause, fault.todo,
+                        report_command(sweep_id, design, config))
+
+    def report(self, config: DictConfig) -> None:
         from mlflow.tracking import MlflowClient
 
         from gaexp import analysis, tracking  # pandas, scipy, matplotlib: here, where the multirun ends, not in each job

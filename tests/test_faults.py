@@ -198,3 +198,25 @@ def test_a_store_another_process_keeps_locked_beyond_the_retries_is_one_line(tmp
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
         assert db.execute("pragma integrity_check").fetchall() == [("ok",)]
         assert db.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+
+
+def test_a_report_the_disk_cannot_take_is_one_warning_with_the_command_that_makes_it_again(tmp_path, compose,
+                                                                                           monkeypatch, caplog):
+    """The sweep's report at its end (gaexp.callbacks.ReportCallback), the disk full: one warning naming the path,
+    what to do and the gaexp-report command, where Hydra said MLflow's error with its SQL."""
+    from gaexp import analysis
+    from gaexp.callbacks import ReportCallback
+
+    cfg = compose(*TINY, outputs=tmp_path, hydra=True)
+    full = tmp_path / "reports" / "x" / "table.md"
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(full))
+    monkeypatch.setattr(analysis, "report_each_part", no_room)
+    with caplog.at_level("WARNING", logger="gaexp.app"):
+        ReportCallback().on_multirun_end(cfg)
+    (line,) = [r.getMessage() for r in caplog.records]
+    sweep = cfg.hydra.sweep.dir.rsplit("/", 1)[-1]
+    assert line.startswith(f"no report for sweep {sweep}: no space left on device at {full}; free space there")
+    assert f", then: gaexp-report --tracking-uri sqlite:///{tmp_path}/mlflow.db --experiment gaexp --sweep {sweep}" \
+        in line and "\n" not in line
