@@ -45,18 +45,6 @@ def process_alive(pid: int, started: str | None = None) -> bool:
     return True
 
 
-def rss_bytes(pid: int) -> int | None:
-    """The memory process `pid` holds now (/proc/PID/status VmRSS); None once it is gone, or without /proc."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
 OOM_EVENTS = Path("/sys/fs/cgroup/memory.events")  # cgroup v2: `oom_kill N`, the processes its OOM killer ended
 
 

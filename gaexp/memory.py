@@ -43,10 +43,10 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _status_bytes(field: str) -> int | None:
-    """A size of Linux's /proc/self/status (VmHWM, VmRSS), in bytes; None elsewhere."""
+def _status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A size of Linux's /proc/PID/status (VmHWM, VmRSS), in bytes; None elsewhere, or once the process is gone."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -60,9 +60,9 @@ def peak_rss_bytes() -> int:
     return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rss_bytes() -> int | None:
-    """The process's resident set now (VmRSS), or None where Linux's /proc is not there."""
-    return _status_bytes("VmRSS")
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """The resident set of this process (or of `pid`) now (VmRSS), or None where Linux's /proc is not there."""
+    return _status_bytes("VmRSS", pid)
 
 
 def sample_bytes(model: torch.nn.Module, shape: tuple[int, int, int], samples: int = 2) -> float:

@@ -27,6 +27,7 @@ from gaexp.model import SimpleModel
 from gaexp.layers import MicroBatchEvalBatchNorm2d
 from gaexp.norms import norm_layer
 from gaexp.train import evaluate, train
+from gaexp import memory
 from gaexp import tags as runtags
 
 
@@ -148,7 +149,7 @@ def test_a_dead_worker_is_said_by_its_signal_memory_and_who_sends_it(tmp_path):
     events = tmp_path / "memory.events"
     events.write_text("low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n")  # cgroup v2's format
     assert liveness.oom_kills(events) == 2 and liveness.oom_kills(tmp_path / "none") is None
-    assert liveness.rss_bytes(os.getpid()) > 10 * 2**20 and liveness.rss_bytes(2**22 + 1) is None
+    assert memory.rss_bytes(os.getpid()) > 10 * 2**20 and memory.rss_bytes(2**22 + 1) is None
 
 
 def test_a_process_is_known_by_its_pid_and_start_time():

@@ -24,7 +24,6 @@ MLflow and gaexp are imported only when a launch runs.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -40,10 +39,11 @@ IDLE_S = 300  # a slot's worker, idle this long, exits (joblib's loky default)
 
 
 def slots(n_jobs: Optional[int], cells: int) -> int:
-    """How many cells run at once: joblib's count (None: 1; -1: every core, -2: all but one), at most `cells`."""
-    cores = os.cpu_count() or 1
-    n = 1 if n_jobs is None else n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)
-    return max(1, min(n, cells))
+    """How many cells run at once: joblib's count of `n_jobs` (None: 1; -1: every core it sees, -2: all but one),
+    at most `cells`."""
+    from joblib import effective_n_jobs
+
+    return max(1, min(effective_n_jobs(n_jobs), cells))
 
 
 def worker_env(n_jobs: int) -> Dict[str, str]:
@@ -79,7 +79,7 @@ class Slot:
         self.pid, self.process = next(iter(self.executor._processes.items()), (None, None))  # started by submit
 
     def sample(self) -> None:
-        from gaexp.liveness import rss_bytes
+        from gaexp.memory import rss_bytes
 
         if self.pid is not None and (held := rss_bytes(self.pid)) is not None:
             self.held = held
