@@ -332,7 +332,7 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
               "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo", "tools.hf_zoo",
               "tools.gpucheck", "callbacks", "app", "__main__", *FIRST_NAMES]),
           f"{OPTUNA}._space", f"{OPTUNA}._protocol", f"{OPTUNA}._heartbeat", f"{OPTUNA}._impl",
-          f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.failed", f"{GRID}.submitit_launcher", f"{GRID}.joblib_launcher",
+          f"{OPTUNA}.sweeper", f"{GRID}.sweeper", f"{GRID}.failed", f"{GRID}.task_watch", f"{GRID}.submitit_launcher", f"{GRID}.joblib_launcher",
           "hydra_plugins.gaexp_regimes.source"]
 WINGS = {"gaexp.data": ("gaexp.config", "gaexp.targets"),  # a wing's modules import these of gaexp and their own wing
          "gaexp.check": ("gaexp.config", "gaexp.precision", "gaexp.norms"),  # (its command, check.cli, anything below)

@@ -1,6 +1,7 @@
 """launch=joblib (hydra_plugins/gaexp_grid_sweeper/joblib_launcher.py): a worker killed in its cell, as the OOM
 killer kills one, fails that cell alone in one line naming the signal, its run FAILED with the reason; the other
-cells finish in the same command, a fresh worker taking the next. (The rerun of failed cells: test_reliability.py.)"""
+cells finish in the same command, a fresh worker taking the next. launch=local's task too (submitit_launcher.py's
+LocalLauncher, task_watch.py: tests/test_task_watch.py). (The rerun of failed cells: test_reliability.py.)"""
 
 from __future__ import annotations
 
@@ -51,15 +52,18 @@ def build(norm_layer, in_channels, num_classes):
     return Net(norm_layer=norm_layer, in_channels=in_channels, num_classes=num_classes)
 '''
 CELL = ["model=custom", "model.target=victim:build", "regime=bs16a1", "train.num_iterations=6", "train.eval_period=3",
-        "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.order=given"]
+        "data.holdout=1000", "hydra.sweeper.order=given"]
+JOBLIB = ["launch=joblib", "hydra.launcher.n_jobs=2"]
 
 
-def sweep(tmp_path, gaexp_argv, kill_at: str, *grid: str) -> tuple[list[str], dict, subprocess.CompletedProcess]:
-    """The sweep of `grid` with jobs' workers killed as `kill_at` says (VICTIM); its argv, env and outcome."""
+def sweep(tmp_path, gaexp_argv, kill_at: str, *grid: str, launch: list[str] = JOBLIB
+          ) -> tuple[list[str], dict, subprocess.CompletedProcess]:
+    """The sweep of `grid` through `launch`, two cells at once, with jobs' processes killed as `kill_at` says
+    (VICTIM); its argv, env and outcome."""
     (tmp_path / "victim.py").write_text(VICTIM)
     (tmp_path / "kills").mkdir(exist_ok=True)
     env = {**os.environ, "GAEXP_TEST_KILL": str(tmp_path / "kills"), "GAEXP_TEST_KILL_AT": kill_at}
-    argv = gaexp_argv(tmp_path, *CELL, *grid)
+    argv = gaexp_argv(tmp_path, *CELL, *launch, *grid)
     return argv, env, subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -70,12 +74,16 @@ def test_cells_at_once_are_counted_as_joblib_counts_them():
 
 
 @pytest.mark.slow
-def test_a_killed_worker_fails_its_own_cell_and_the_other_three_finish(tmp_path, gaexp_argv, training_runs):
-    """The issue's case: a 4-cell joblib sweep, 2 at once, one worker SIGKILLed mid-cell while the other trains."""
-    _, _, done = sweep(tmp_path, gaexp_argv, "0:4", "norm=bn,gn4", "seed=1,2")
+@pytest.mark.parametrize("launch, who", [(JOBLIB, "worker"), (["launch=local", "hydra.sweeper.max_batch_size=2"],
+                                                               "task")], ids=["joblib", "local"])
+def test_a_killed_worker_fails_its_own_cell_and_the_other_three_finish(tmp_path, gaexp_argv, training_runs, launch,
+                                                                       who):
+    """The issue's case: a 4-cell sweep, 2 at once, one cell's process SIGKILLed mid-cell while the other trains:
+    under joblib a worker of its pool; under launch=local a submitit task (its end seen by task_watch.py)."""
+    _, _, done = sweep(tmp_path, gaexp_argv, "0:4", "norm=bn,gn4", "seed=1,2", launch=launch)
     victim = int((tmp_path / "kills" / "killed-0").read_text())
     assert done.returncode == 1, done.stderr[-3000:]
-    reason = f"worker {victim} killed by SIGKILL, holding "
+    reason = f"{who} {victim} killed by SIGKILL, holding "
     assert "Traceback" not in done.stderr + done.stdout and "TerminatedWorkerError" not in done.stderr
     head, line = done.stderr.splitlines()[-2:]  # the failure summary: the one failed cell, one line
     assert head == "error: 1 cell(s) failed, the others ran:" and reason in line and "out-of-memory killer" in line

@@ -35,11 +35,12 @@ log = logging.getLogger(__name__)
 
 def uncompleted(error: Exception) -> str:
     """What to do when a submitit task ended without a result (UncompletedJobError: cancelled, out of time, node
-    lost) under hydra-submitit-launcher's own launchers, which stop at the first one (`launch=slurm` waits for
-    every task instead: submitit_launcher.py). The error's first two lines name the job and its state."""
+    lost) under hydra-submitit-launcher's own launchers, which stop at the first one (`launch=slurm` and
+    `launch=local` wait for every task instead: submitit_launcher.py). The error's first two lines name the job
+    and its state."""
     what = " ".join(str(error).splitlines()[:2])
-    return (f"error: {what}\nThe command stopped waiting; the other tasks it submitted go on (launch=slurm would "
-            "have waited for them). When `squeue` no longer lists them, run the same command again: FINISHED cells "
+    return (f"error: {what}\nThe command stopped waiting; the other tasks it submitted go on (launch=slurm or "
+            "launch=local would have waited for them). When `squeue` no longer lists them, run the same command again: FINISHED cells "
             "are skipped, and a cell whose run this task left RUNNING is marked KILLED and runs again "
             "(docs/cluster.md).")
 
