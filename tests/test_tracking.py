@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,6 +298,25 @@ def test_the_model_is_logged_reloaded_and_evaluated_again_without_retraining(sto
     as_trained = evaluate(batch_statistics(reloaded, 16), small_valid)
     assert as_trained == evaluate(batch_statistics(copy.deepcopy(model), 16), small_valid)
     assert as_trained > running + 0.2  # 0.866 here: 40 steps leave the running averages behind
+
+
+def test_a_model_is_saved_with_requirements_read_from_this_environment_and_no_scan_of_every_package(
+        store, trained_bn, monkeypatch):
+    """MLflow's check of a model's requirements against the installed packages maps every distribution's files
+    first (1.7 s a process here): gaexp's requirements are read from those very packages, so it is skipped."""
+    from importlib.metadata import version
+
+    from mlflow.utils import requirements_utils
+
+    scans = []
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)  # as in a fresh process
+    monkeypatch.setattr(requirements_utils.importlib_metadata, "packages_distributions", lambda: scans.append(1) or {})
+    client, experiment_id, _ = store
+    with tracking.tracked_run(client, experiment_id, "bn-bs16a1-s1", {"norm": "bn"}) as run_id:
+        model_id = tracking.log_model(client, run_id, trained_bn[0])
+    assert scans == []
+    folder = client.get_logged_model(model_id).artifact_location.removeprefix("file://")
+    assert f"torch=={version('torch')}" in (Path(folder) / "requirements.txt").read_text().split()
 
 
 def test_a_run_without_a_model_is_a_clear_error(store):

@@ -8,15 +8,14 @@ import importlib
 import logging
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
 from mlflow.models import Model
 from mlflow.tracking import MlflowClient
-
-
 
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
     import torch
@@ -38,6 +37,23 @@ def pytorch_flavour() -> ModuleType:
         finally:
             del sys.modules[AUTOLOG_ONLY]
     return importlib.import_module("mlflow.pytorch")
+
+
+@contextmanager
+def requirements_as_read() -> Iterator[None]:
+    """Inside: MLflow saves a model without comparing its requirements with the installed packages. gaexp's are
+    read from the installed packages (the flavour's get_default_pip_requirements), so they match by construction,
+    and the comparison first maps every installed distribution's files to its modules
+    (importlib.metadata.packages_distributions): 1.7 s per process where transformers and Lightning are
+    installed, a third of a small cell's own time."""
+    from mlflow.utils import environment
+
+    compare = environment.warn_dependency_requirement_mismatches
+    environment.warn_dependency_requirement_mismatches = lambda requirements: None
+    try:
+        yield
+    finally:
+        environment.warn_dependency_requirement_mismatches = compare
 
 
 class _PickleChosen(logging.Filter):
@@ -66,8 +82,9 @@ def log_model(client: MlflowClient, run_id: str, model: torch.nn.Module, step: i
         with tempfile.TemporaryDirectory() as tmp:
             meta = Model(artifact_path=logged.artifact_location, run_id=run_id, model_uuid=logged.model_id,
                          model_id=logged.model_id)
-            flavour.save_model(model, Path(tmp, "model"), mlflow_model=meta, serialization_format="pickle",
-                               pip_requirements=flavour.get_default_pip_requirements())
+            with requirements_as_read():
+                flavour.save_model(model, Path(tmp, "model"), mlflow_model=meta, serialization_format="pickle",
+                                   pip_requirements=flavour.get_default_pip_requirements())
             client.log_model_artifacts(logged.model_id, str(Path(tmp, "model")))
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step or 0)])
         if step is not None:
