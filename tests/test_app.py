@@ -327,7 +327,7 @@ def test_sweep_runs_the_longest_cells_first_and_records_its_plan(sweep):
     (plan,) = client.search_runs([runs["bn-bs1a16-s1"].info.experiment_id], "attributes.run_name = 'sweep-%s'" % sweep_id)
     assert plan.info.status == "FINISHED"
     assert (plan.data.tags["gaexp.cells"], plan.data.tags["gaexp.order"]) == ("4", "longest_first")
-    costs = [progress.expected_seconds(b, k, 4, 2) for b, k in [(1, 16), (1, 16), (16, 1), (16, 1)]]
+    costs = [progress.expected_seconds(b, k, 4, 2, 500) for b, k in [(1, 16), (1, 16), (16, 1), (16, 1)]]
     assert float(plan.data.tags["gaexp.expected_s"]) == pytest.approx(sum(costs), abs=0.5)  # compile=off: no graphs
     assert plan.data.tags[runtags.COSTS] == " ".join(f"{c:.1f}:0" for c in costs)  # each cell's, in launch order
 
@@ -380,8 +380,8 @@ def test_sweep_artifacts_and_folders(sweep):
     (sweep_dir,) = (out / "multirun").iterdir()
     cells = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
     # runtime keys stay out of the folder names, but the two that decide what an Optuna trial returns
-    assert cells[0] == ("accumulate=loop,analysis.window_start=0,device=cpu,norm=bn,regime=bs16a1,seed=1,"
-                        "train.eval_period=2,train.num_iterations=4")
+    assert cells[0] == ("accumulate=loop,analysis.window_start=0,data.holdout=500,device=cpu,norm=bn,regime=bs16a1,"
+                        "seed=1,train.eval_period=2,train.num_iterations=4")
     assert len(cells) == 4 and (sweep_dir / cells[0] / "gaexp.log").is_file()  # job name, not __main__
     assert runs["gn4-bs16a1-s1"].data.tags["sweep_id"] == sweep_dir.name
     assert (out / "mlartifacts").is_dir()

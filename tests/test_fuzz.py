@@ -191,7 +191,9 @@ COMMANDS = {
                        r"error: mlflow.tracking_uri='sqlite:///relative.db'; valid: sqlite:///ABSOLUTE/PATH.db, e.g. "
                        r"sqlite:////.*/relative.db"),
     "a swept value": (["regime.batch_size=16,70000"], r"error: cell regime.batch_size=70000: regime.batch_size=70000; "
-                                                      r"valid: an integer in \[1, 60000\]"),
+                                                      r"valid: an integer in \[1, 59500\]: a micro-batch is at most "
+                                                      r"the 59,500 training images of data=mnist left after "
+                                                      r"data.holdout=500"),
     "the sweeper's storage": (["+experiment=tune_lr", f"hydra.sweeper.storage={NOT_A_PORT}"],
                               r"error: hydra.sweeper.storage='mysql\+pymysql://opt:\*\*\*@127.0.0.1:notaport/optuna': "
                               r"its port is not an integer"),
