@@ -86,6 +86,17 @@ def test_the_record_says_how_the_cells_process_ended(tmp_path, watched, code, st
     assert read_record(tmp_path / "records", "8") == {}  # a job whose task never started
 
 
+def test_without_sigtimedwait_the_watcher_becomes_the_task_and_records_nothing(tmp_path):
+    """macOS's Python has no sigtimedwait: the task runs as under submitit alone, its status its own."""
+    run = ("import runpy, signal, sys; del signal.sigtimedwait; "
+           f"sys.argv = ['task_watch', {str(tmp_path / 'records')!r}, sys.executable, '-c', 'raise SystemExit(5)']; "
+           "runpy.run_module('hydra_plugins.gaexp_grid_sweeper.task_watch', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": "7"})
+    assert done.returncode == 5, done.stderr[-2000:]
+    assert read_record(tmp_path / "records", "7") == {}
+
+
 @pytest.mark.parametrize("signum", [signal.SIGUSR2, signal.SIGINT, signal.SIGTERM])
 def test_the_controllers_signals_reach_the_cell(tmp_path, watched, signum):
     """submitit's controller sends SIGUSR2 at its timeout, SIGINT to cancel, and passes SIGTERM on."""

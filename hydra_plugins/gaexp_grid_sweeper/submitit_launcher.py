@@ -263,8 +263,8 @@ class LocalLauncher(WaitingLauncher):
         from gaexp import liveness, tracking
 
         record = read_record(self.records, job.job_id)
-        if "pid" not in record:  # the task never started: no run either
-            return f"submitit local job {job.job_id} ended {job.state} before its task started", lambda: []
+        if "pid" not in record:  # the task never started (no run either), or ran unwatched (macOS)
+            return f"submitit local job {job.job_id} ended {job.state} without a result", lambda: []
         oom_now = liveness.oom_kills()
         reason = f"task {record['pid']} " + liveness.death(record.get("exitcode"), self.held.get(job.job_id),
                                                            oom_now is not None and oom_now != self.oom_before)

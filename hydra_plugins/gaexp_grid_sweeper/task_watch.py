@@ -8,7 +8,8 @@ fail that cell alone, naming the signal, and samples the pid's memory meanwhile.
 sends (its cancel's SIGINT, its timeout's SIGUSR2, SIGTERM) are passed on. A terminal's Ctrl-C, and the SIGINT a
 sweep ending on SIGTERM sends to every process below it (gaexp.liveness), reach the child directly: not twice.
 The child dies with this process (PR_SET_PDEATHSIG), as it did with the controller's SIGKILL before. Only the
-standard library: it starts before each cell.
+standard library: it starts before each cell. Where Python has no sigtimedwait (macOS), it becomes the task
+(exec) and records nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def child_setup() -> None:
 
 
 def watch(records: Path, command: List[str]) -> int:
+    if not hasattr(signal, "sigtimedwait"):  # macOS: no sender to tell the signals apart; the task runs unwatched,
+        os.execv(command[0], command)  # as under submitit alone (its death a cell failed without its signal)
     path = record_path(records, os.environ.get("SUBMITIT_LOCAL_JOB_ID", str(os.getppid())),
                        os.environ.get("SUBMITIT_LOCAL_GLOBALID", "0"))
     path.parent.mkdir(parents=True, exist_ok=True)
