@@ -626,13 +626,14 @@ def cell_runs(uri: str) -> list[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory, gaexp_argv):
-    """The brief's sweep at a small budget, 2 cells one at a time, interrupted (Ctrl-C) once the first FINISHED
-    and the second is RUNNING, then the same command again. HOME is a file, as a read-only HOME is to
+    """The brief's sweep at a small budget (40 steps: seconds of training, which the 0.2 s poll catches running),
+    2 cells one at a time, interrupted (Ctrl-C) once the first FINISHED and the second is RUNNING, then the same
+    command again. HOME is a file, as a read-only HOME is to
     matplotlib. Returns the command, its store and, for each of the two commands, (exit status, stdout, stderr)."""
     out = tmp_path_factory.mktemp("interrupted")
     (out / "home").write_text("")
     env = {**os.environ, "HOME": str(out / "home")}
-    argv = gaexp_argv(out, "norm=bn,gn4", "regime=bs4a4", "train.num_iterations=100", "train.eval_period=100",
+    argv = gaexp_argv(out, "norm=bn,gn4", "regime=bs4a4", "train.num_iterations=40", "train.eval_period=40",
                       "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=1", "hydra.sweeper.order=given")
     uri = f"sqlite:///{out}/mlflow.db"
 
