@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import List, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.types import HydraContext
@@ -26,3 +26,14 @@ def failed_cell(config: DictConfig, hydra_context: HydraContext, overrides: Sequ
     log.error("%s: %s, without a result; counted as a failed cell", " ".join(filter_overrides(overrides)), reason)
     return JobReturn(overrides=list(overrides), working_dir=str(folder), task_name=cfg.hydra.job.name,
                      status=JobStatus.COMPLETED, _return_value=float("nan"))
+
+
+def fail_runs_of(config: DictConfig, pid: int, reason: str) -> List[str]:
+    """The runs the dead process `pid` (a joblib worker, a local task) left RUNNING in the sweep's store, ended
+    FAILED with `reason` as their error (gaexp.tracking.fail_runs_of); their names."""
+    from mlflow.tracking import MlflowClient
+
+    from gaexp import tracking
+
+    client = MlflowClient(config.mlflow.tracking_uri)
+    return tracking.fail_runs_of(client, tracking.experiment_id(client, config.mlflow.experiment_name), pid, reason)

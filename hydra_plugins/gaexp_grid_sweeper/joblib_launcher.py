@@ -31,7 +31,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher as HydraJoblibLauncher
 
-from hydra_plugins.gaexp_grid_sweeper.failed import failed_cell
+from hydra_plugins.gaexp_grid_sweeper.failed import fail_runs_of, failed_cell
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the running workers' memory is read while waiting for a cell to end
@@ -155,16 +155,10 @@ class JoblibLauncher(HydraJoblibLauncher):
 
     def died(self, overrides: Sequence[str], pid: Optional[int], reason: str) -> JobReturn:
         """The cell of a worker that died: its run ended FAILED with the reason, and a failed cell."""
-        from mlflow.tracking import MlflowClient
-
-        from gaexp import tracking
-
         assert self.config is not None and self.hydra_context is not None
         if pid is not None:
             try:
-                client = MlflowClient(self.config.mlflow.tracking_uri)
-                experiment_id = tracking.experiment_id(client, self.config.mlflow.experiment_name)
-                tracking.fail_runs_of(client, experiment_id, pid, reason)
+                fail_runs_of(self.config, pid, reason)
             except Exception as e:  # noqa: BLE001 - the store unwritable now: the next command marks the run KILLED
                 log.warning("could not end the run of worker %s FAILED (%s); the next gaexp command marks it KILLED",
                             pid, e)

@@ -36,7 +36,7 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.gaexp_grid_sweeper.failed import failed_cell
+from hydra_plugins.gaexp_grid_sweeper.failed import fail_runs_of, failed_cell
 from hydra_plugins.gaexp_grid_sweeper.task_watch import read_record
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ class LocalLauncher(WaitingLauncher):
 
         self.records = sweep_dir.resolve() / ".submitit" / "tasks"
         self.held: Dict[str, int] = {}
+        self.pids: Dict[str, int] = {}  # each running task's, read once from its record
         self.oom_before = liveness.oom_kills()
         watch = f"{shlex.quote(sys.executable)} -m hydra_plugins.gaexp_grid_sweeper.task_watch"
         return {"local_python": f"{watch} {shlex.quote(str(self.records))} {shlex.quote(sys.executable)}"}
@@ -253,14 +254,14 @@ class LocalLauncher(WaitingLauncher):
         from gaexp.memory import rss_bytes
 
         for job in running:
-            pid = read_record(self.records, job.job_id).get("pid")
+            if job.job_id not in self.pids and "pid" in (record := read_record(self.records, job.job_id)):
+                self.pids[job.job_id] = record["pid"]
+            pid = self.pids.get(job.job_id)
             if pid is not None and (held := rss_bytes(pid)) is not None:
                 self.held[job.job_id] = held
 
     def without_result(self, job: Any) -> Tuple[str, Callable[[], List[str]]]:
-        from mlflow.tracking import MlflowClient
-
-        from gaexp import liveness, tracking
+        from gaexp import liveness
 
         record = read_record(self.records, job.job_id)
         if "pid" not in record:  # the task never started (no run either), or ran unwatched (macOS)
@@ -269,10 +270,4 @@ class LocalLauncher(WaitingLauncher):
         reason = f"task {record['pid']} " + liveness.death(record.get("exitcode"), self.held.get(job.job_id),
                                                            oom_now is not None and oom_now != self.oom_before)
         self.oom_before = oom_now
-
-        def end_runs() -> List[str]:
-            client = MlflowClient(self.config.mlflow.tracking_uri)
-            experiment_id = tracking.experiment_id(client, self.config.mlflow.experiment_name)
-            return [f"FAILED: {run}" for run in tracking.fail_runs_of(client, experiment_id, record["pid"], reason)]
-
-        return reason, end_runs
+        return reason, lambda: [f"FAILED: {run}" for run in fail_runs_of(self.config, record["pid"], reason)]
