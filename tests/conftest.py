@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -63,10 +64,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE_MACHINE), os.e
 if os.environ.get("GAEXP_TEST_CPUS") or os.environ.get("GAEXP_TEST_CPU_QUOTA"):
     runpy.run_path(str(FAKE_MACHINE / "sitecustomize.py"))  # this process too
 DATA_ROOT = Path(os.environ.get("GAEXP_TEST_DATA", REPO / "outputs" / "data"))
-# The one tiny budget: 4 optimizer steps, evaluations at 2 and 4, on the CPU, every evaluation in the report, the
-# loop's micro-batch arithmetic (the reference; accumulate=auto's own tests, tests/test_engine.py, name it).
+# The one tiny budget: 4 optimizer steps, evaluations at 2 and 4 on 500 held-out training images (not the 10,000 of
+# the test set: about 5 s of CPU less in each tiny cell; the test set's own path is tested where it is the subject:
+# the newcomer's walk, tests/test_data.py, the reload example), on the CPU, every evaluation in the report, the loop's
+# micro-batch arithmetic (the reference; accumulate=auto's own tests, tests/test_engine.py, name it).
 TINY = ["train.num_iterations=4", "train.eval_period=2", "device=cpu", "compile=off", "analysis.window_start=0",
-        "accumulate=loop"]
+        "accumulate=loop", "data.holdout=500"]
 
 
 class Float64(torch.nn.Module):
@@ -80,13 +83,26 @@ class Float64(torch.nn.Module):
         return self.model(x.double())
 
 
+def pytest_configure(config) -> None:
+    """pytest-xdist's file-at-a-time runs reorder the files by their count of tests (its --loadscope-reorder, on by
+    default), which left the files of one or two minute-long tests (the GPU check, gaexp-tuned) to the end, run
+    alone: the order of `pytest_collection_modifyitems` is kept instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """`make test` runs the tests on pytest-xdist's workers, a test file at a time (`-n 2 --dist loadfile`): a
     module's fixtures (a sweep, a server) are made once, and the SLURM tests (one file) share one worker and the
-    one cluster its session starts (the daemons' ports and munge are machine-wide). On workers the tests marked
-    slow go first, so their files start first and no minute-long test is left to run alone at the end."""
+    one cluster its session starts (the daemons' ports and munge are machine-wide). On workers the files go
+    in the order of their count of tests marked slow, most first, then of their count of tests: the long files
+    start first and the short ones fill in at the end, so no minute-long test is left to run alone."""
     if WORKERS > 1:
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: each part keeps its order
+        slow, count = Counter(), Counter()
+        for item in items:
+            count[item.nodeid.split("::")[0]] += 1
+            slow[item.nodeid.split("::")[0]] += item.get_closest_marker("slow") is not None
+        items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], -count[item.nodeid.split("::")[0]]))
 
 
 def data_lock(dataset: str) -> FileLock:
@@ -191,16 +207,11 @@ def compose(data_root):
     return make
 
 
-# The commands' evaluations: 500 training images held out instead of the 10,000 of the test set, about 4 s of CPU
-# less in each tiny cell (the test set's own path: the newcomer's walk, in-process cells, tests/test_data.py).
-COMMAND_EVAL = "data.holdout=500"
-
-
 @pytest.fixture(scope="session")
 def gaexp_argv(data_root):
     """gaexp_argv(out, *overrides): the public command, a multirun at the tiny budget writing under `out`."""
     def argv(out: Path, *overrides: str) -> list[str]:
-        return [sys.executable, "-m", "gaexp", "-m", *TINY, COMMAND_EVAL, f"paths.outputs={out}",
+        return [sys.executable, "-m", "gaexp", "-m", *TINY, f"paths.outputs={out}",
                 f"data.root={data_root}", "data.sources=[local]", *overrides]
     return argv
 

@@ -93,7 +93,7 @@ def test_cifar10_is_read_by_torchvisions_class_in_its_shape_and_classes(fake_cif
 @pytest.mark.parametrize("model", ["simple", "resnet20"])
 def test_a_cifar10_cell_trains_and_its_run_records_the_dataset(fake_cifar10, tmp_path, compose, model):
     root = fake_cifar10[0]
-    cell = [*TINY, f"model={model}", "norm=bn", "regime=bs4a4", "train.num_iterations=3", "data=cifar10",
+    cell = [*TINY, "data.holdout=0", f"model={model}", "norm=bn", "regime=bs4a4", "train.num_iterations=3", "data=cifar10",
             f"data.root={root}"]
     cfg = prepared(compose(*cell, outputs=tmp_path / "store"))
     accuracy = run_cell(cfg, sweep_id="s1")
@@ -123,7 +123,7 @@ def test_the_cifar10_study_file_composes_and_a_cell_of_it_runs(fake_cifar10, tmp
     assert dict(cfg.hydra.sweeper.params) == {"norm": "bn,in,gn4,gn16,none", "regime": "bs1a1,bs1a16,bs4a4,bs16a1",
                                               "seed": "1,2,3"}
     assert c.analysis.window_start == 2000 and c.compile == "off"
-    cell = prepared(compose("+experiment=spec_cifar10", *TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=2",
+    cell = prepared(compose("+experiment=spec_cifar10", *TINY, "data.holdout=0", "norm=gn4", "regime=bs4a4", "train.num_iterations=2",
                             f"data.root={fake_cifar10[0]}", outputs=tmp_path / "store"))
     accuracy = run_cell(cell, sweep_id="study")
     assert 0 <= accuracy <= 1 and list(runs_by_name(cell.mlflow.tracking_uri)) == ["cifar10-resnet20-gn4-bs4a4-s1"]
@@ -253,7 +253,7 @@ def test_data_without_a_test_split_or_a_holdout_is_refused_before_anything_is_re
 
 
 def test_custom_data_trains_a_cell_another_loader_result_is_another_protocol(loaders, tmp_path, compose):
-    cell = [*TINY, "model=resnet20", "norm=gn4", "regime=bs4a4", "train.num_iterations=2", "data=custom",
+    cell = [*TINY, "data.holdout=0", "model=resnet20", "norm=gn4", "regime=bs4a4", "train.num_iterations=2", "data=custom",
             f"data.target={loaders}:tensors", "data.dataset=shapes"]
     cfg = prepared(compose(*cell, outputs=tmp_path / "store"))
     accuracy = run_cell(cfg, sweep_id="s1")
@@ -282,7 +282,7 @@ def test_a_model_not_built_for_the_class_count_is_refused_before_anything_runs(l
 def test_an_image_folder_trains_a_cell_and_an_edited_image_is_another_protocol_the_report_never_pools(tmp_path,
                                                                                                      compose):
     folder = write_folder(tmp_path / "pets", per_class=6)
-    cell = [*TINY, "norm=gn4", "regime=bs4a4", "train.num_iterations=2", "data=imagefolder", f"data.path={folder}",
+    cell = [*TINY, "data.holdout=0", "norm=gn4", "regime=bs4a4", "train.num_iterations=2", "data=imagefolder", f"data.path={folder}",
             "data.size=[16,16]", "data.holdout=5", "data.dataset=pets", f"data.root={tmp_path / 'store' / 'data'}"]
     cfg = prepared(compose(*cell, outputs=tmp_path / "store"))
     assert list((tmp_path / "store" / "data" / "cache").glob("folder-*.pt"))  # decoded once, before any cell

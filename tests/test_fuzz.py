@@ -131,7 +131,7 @@ PREPARE = {
 @pytest.mark.parametrize("case", list(PREPARE))
 def test_prepare_refuses_in_one_line_before_anything_is_created(case, tmp_path, compose, isolated):
     overrides, message = PREPARE[case]
-    cfg = compose(*TINY, *overrides, outputs=tmp_path, hydra=True)
+    cfg = compose(*TINY, "data.holdout=0", *overrides, outputs=tmp_path, hydra=True)
     with pytest.raises(SystemExit) as info:
         PrepareCallback().on_multirun_start(cfg)
     line = one_error_line(str(info.value))
@@ -151,7 +151,7 @@ def test_a_batch_larger_than_data_whose_size_only_its_reading_tells_is_refused(t
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         with pytest.raises(SystemExit) as info:
-            PrepareCallback().on_multirun_start(compose(*TINY, "data=custom", "data.target=twelve_images:tensors",
+            PrepareCallback().on_multirun_start(compose(*TINY, "data.holdout=0", "data=custom", "data.target=twelve_images:tensors",
                                                         "regime=bs16a1", outputs=tmp_path / "out", hydra=True))
     finally:
         custom._load_custom.cache_clear()

@@ -67,6 +67,7 @@ def cell(gaexp_command, out: Path, fail: str | None, *more: str):
                          *more, env=env)
 
 
+@pytest.mark.slow
 def test_a_killed_replica_fails_the_cell_naming_it_and_the_next_sweep_resumes(gaexp_command, training_runs, dying):
     done = cell(gaexp_command, dying, "1:kill:3")
     assert done.returncode != 0
@@ -83,6 +84,7 @@ def test_a_killed_replica_fails_the_cell_naming_it_and_the_next_sweep_resumes(ga
     assert statuses == [("FAILED", "2", "custom-bn-w2b4a1-s1"), ("FINISHED", "2", "custom-bn-w2b4a1-s1")]
 
 
+@pytest.mark.slow
 def test_rank_0_failing_stops_the_other_replicas(gaexp_command, dying):
     done = cell(gaexp_command, dying, "0:raise:3")
     assert done.returncode != 0 and "ValueError: rank 0 gave up at forward 3" in done.stderr, done.stderr[-3000:]
@@ -125,6 +127,7 @@ def test_a_port_in_use_is_taken_from_another(monkeypatch):
     assert store.port != port
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
 def test_under_joblib_a_dp_cell_trains_as_its_accumulation_twin(gaexp_command, gaexp_argv, training_runs, tmp_path):
     """One core (taskset) and the port asked for in use: both said in one line each in the cell's log, and it runs; its train
@@ -163,6 +166,7 @@ def torchrun(gaexp_argv, out: Path, *overrides: str, env: dict | None = None):
     return subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=600, env=env)
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_process_is_a_replica_of_one_cell_whose_run_rank_0_writes(gaexp_argv, gaexp_command,
                                                                                      training_runs, tmp_path):
     """The cell torchrun's two processes train is the one a cell of w = 2 starting its own replicas trains: the same
@@ -182,6 +186,7 @@ def test_under_torchrun_each_process_is_a_replica_of_one_cell_whose_run_rank_0_w
     assert len(losses[0]) == 2 and losses[0] == losses[1]
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_replicas_error_is_named_in_the_cells_run(gaexp_argv, training_runs, dying):
     env = {**os.environ, "GAEXP_TEST_FAIL": "1:raise:3"}
     done = torchrun(gaexp_argv, dying, "model=custom", "model.target=dying:Net", "regime=w2b4a1",
@@ -193,6 +198,7 @@ def test_under_torchrun_a_replicas_error_is_named_in_the_cells_run(gaexp_argv, t
     assert run.data.tags["error"].endswith("replica 1 of 2 failed: ValueError: rank 1 gave up at forward 3")
 
 
+@pytest.mark.slow
 def test_torchrun_refuses_a_sweep_and_another_replica_count_in_one_line_per_process(gaexp_argv, tmp_path):
     """Each process refuses in one line, and none with a traceback of gaexp's; torchrun stops the others when the
     first exits, so a process still composing its config then (a loaded machine: seen in CI of 2026-12-05) never
