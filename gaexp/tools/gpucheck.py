@@ -113,9 +113,12 @@ def determinism(plan: Plan, device: str, data_root: str, work: Path, summary: Su
 
 
 def grid(plan: Plan, device: str, data_root: str, out: Path, n_jobs: int) -> float:
+    """The small grid, `n_jobs` cells at once: one at a time is the plain command (its cells in its own process, as
+    a user runs a grid without a launcher), more through launch=joblib."""
+    launch = ["launch=joblib", f"hydra.launcher.n_jobs={n_jobs}"] if n_jobs > 1 else []
     return gaexp(out, ["-m", f"norm={plan.grid_norms}", f"regime={plan.grid_regimes}", f"seed={plan.seeds}",
-                       *plan.runs, f"device={device}", "launch=joblib", f"hydra.launcher.n_jobs={n_jobs}", "threads=1",
-                       f"data.root={data_root}", "~hydra.callbacks.report"])  # its figures are read here, not its report
+                       *plan.runs, f"device={device}", *launch, "threads=1", f"data.root={data_root}",
+                       "~hydra.callbacks.report"])  # its figures are read here, not its report
 
 
 def finals(store: Path) -> pd.Series:
