@@ -271,6 +271,7 @@ def report_command(sweep_id: str, design: AnalysisConfig, config: DictConfig, pa
     default = analysis.load_study("spec")
     words += [w for name in ("window_start", "margin") if getattr(design, name) != getattr(default, name)
               for w in (f"--{name.replace('_', '-')}", f"{getattr(design, name):g}")]
+    words += [] if design.plots else ["--no-plots"]
     return " ".join(shlex.quote(str(w)) for w in words)
 
 

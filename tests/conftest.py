@@ -209,9 +209,11 @@ def compose(data_root):
 
 @pytest.fixture(scope="session")
 def gaexp_argv(data_root):
-    """gaexp_argv(out, *overrides): the public command, a multirun at the tiny budget writing under `out`."""
+    """gaexp_argv(out, *overrides): the public command, a multirun at the tiny budget writing under `out`. Its report
+    draws no figure (`analysis.plots=false`: about 1.5 s a sweep) unless the overrides ask for one: the sweeps whose
+    tests read the figures or matplotlib's own doings (test_app's sweeps, the SLURM grid, the search's passwords)."""
     def argv(out: Path, *overrides: str) -> list[str]:
-        return [sys.executable, "-m", "gaexp", "-m", *TINY, f"paths.outputs={out}",
+        return [sys.executable, "-m", "gaexp", "-m", *TINY, "analysis.plots=false", f"paths.outputs={out}",
                 f"data.root={data_root}", "data.sources=[local]", *overrides]
     return argv
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import matplotlib.pyplot as plt
@@ -340,6 +342,11 @@ def test_datasets_never_pool_and_one_is_selected(store, tmp_path, capsys):
     assert (tmp_path / "r" / "fashion_mnist" / "table.md").read_text().startswith("fashion_mnist: mean valid accuracy")
     assert "fashion_mnist-in-bs1a16-s1 (FAILED)" in (tmp_path / "r" / "fashion_mnist" / "table.md").read_text()
     assert "FAILED" not in (tmp_path / "r" / "mnist" / "table.md").read_text()
+    assert {"curves.png", "curves.pdf", "train_loss.png"} <= {p.name for p in (tmp_path / "r" / "mnist").iterdir()}
+    tables = analysis.report_each_part(uri, "gaexp", "sweep-a", dataclasses.replace(STUDY, plots=False), tmp_path / "t")
+    assert [written[0] for _, _, _, written in tables] == [tmp_path / "t" / "fashion_mnist" / "table.md",
+                                                          tmp_path / "t" / "mnist" / "table.md"]
+    assert not list((tmp_path / "t").rglob("*.p[nd][gf]"))  # analysis.plots=false: the tables, no figure
 
     analysis.main(["--tracking-uri", uri, "--dataset", "fashion_mnist", "--out", str(tmp_path / "cli")])
     assert capsys.readouterr().out.startswith("sweep: sweep-a  dataset: fashion_mnist  runs: 12 finished, 1 excluded")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -301,7 +302,7 @@ def test_compile_auto_compiles_instance_norm_training_and_it_trains_like_the_eag
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, gaexp_command, training_runs):
     out = tmp_path_factory.mktemp("sweep")
-    proc = gaexp_command(out, "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1")
+    proc = gaexp_command(out, "norm=bn,gn4", "regime=bs1a16,bs16a1", "seed=1", "analysis.plots=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (out / "console.txt").write_text(proc.stdout)  # what the launching terminal showed
     client, runs = training_runs(f"sqlite:///{out}/mlflow.db")
@@ -500,6 +501,8 @@ def test_the_report_command_a_sweep_prints_runs_as_printed(tmp_path, compose, ca
     command = report_command("s1", design, cfg, {"dataset": "mnist"})
     assert command == (f"gaexp-report --tracking-uri {cfg.mlflow.tracking_uri} --experiment gaexp --sweep s1 "
                        "--dataset mnist --window-start 0")
+    assert report_command("s1", dataclasses.replace(design, plots=False), cfg) == (  # analysis.plots=false: as made
+        f"gaexp-report --tracking-uri {cfg.mlflow.tracking_uri} --experiment gaexp --sweep s1 --window-start 0 --no-plots")
     monkeypatch.chdir(tmp_path)
     analysis.main(shlex.split(command)[1:])
     out = capsys.readouterr().out
@@ -637,7 +640,8 @@ def interrupted(tmp_path_factory, gaexp_argv):
     (out / "home").write_text("")
     env = {**os.environ, "HOME": str(out / "home")}
     argv = gaexp_argv(out, "norm=bn,gn4", "regime=bs4a4", "train.num_iterations=40", "train.eval_period=40",
-                      "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=1", "hydra.sweeper.order=given")
+                      "data.holdout=1000", "launch=joblib", "hydra.launcher.n_jobs=1", "hydra.sweeper.order=given",
+                      "analysis.plots=true")  # the report's figures: matplotlib with HOME a file
     uri = f"sqlite:///{out}/mlflow.db"
 
     def second_cell_running() -> bool:

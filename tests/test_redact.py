@@ -139,7 +139,8 @@ def test_a_search_leaves_its_passwords_nowhere_in_mlflow_the_terminal_or_the_rep
     argv = gaexp_argv(tmp_path, "hydra/sweeper=gaexp_optuna", "hydra.sweeper.direction=maximize", "norm=gn4",
                       "regime=bs16a1", "hydra.sweeper.study_name=t", "hydra.sweeper.n_trials=2",
                       "train.lr=tag(log, interval(1e-4, 1e-2))", "data.holdout=1000", f"hydra.sweeper.storage='{storage}'",
-                      "mlflow.tracking_uri=${oc.env:GAEXP_TEST_TRACKING_URI}", "mlflow.experiment_name=secrets")
+                      "mlflow.tracking_uri=${oc.env:GAEXP_TEST_TRACKING_URI}", "mlflow.experiment_name=secrets",
+                      "analysis.plots=true")
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, mask(proc.stdout[-2000:] + proc.stderr[-3000:])
     readers = [subprocess.run([sys.executable, "-m", module, "--tracking-uri", tracking_uri, "--experiment", "secrets"],

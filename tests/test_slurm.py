@@ -33,7 +33,7 @@ def grid(slurm, server, tmp_path_factory, gaexp_argv, training_runs):
     uri, _ = server
     out = tmp_path_factory.mktemp("slurm-grid")
     argv = gaexp_argv(out, *SLURM, "hydra.launcher.array_parallelism=1", f"mlflow.tracking_uri={uri}",
-                      "norm=gn4,none", "regime=bs4a4,bs16a1", "seed=1", HOLDOUT)
+                      "norm=gn4,none", "regime=bs4a4,bs16a1", "seed=1", HOLDOUT, "analysis.plots=true")
     tic = time.monotonic()
     proc = subprocess.Popen(argv, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=900)

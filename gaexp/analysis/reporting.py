@@ -44,7 +44,8 @@ def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design
     files are in `out` when there is one part, in `out/<name>` each otherwise, the name joining the values that
     vary (fashion_mnist, resnet20, or fashion_mnist-bf16). A part whose report cannot be made gives its
     AnalysisError in place of the summary, and the others are still made. Where a dataset and model ran several
-    precisions, their `Precisions` follow, in `out` (or the folder of that dataset and model)."""
+    precisions, their `Precisions` follow, in `out` (or the folder of that dataset and model). The learning curves
+    only where `design.plots`."""
     collected = collect(MlflowClient(tracking_uri), experiment_name, sweep)
     values = {part: values_in(collected, part) for part in PARTS}
     made = []
@@ -59,7 +60,8 @@ def report_each_part(tracking_uri: str, experiment_name: str, sweep: str, design
         except AnalysisError as e:
             made.append((wanted, name, e, []))
             continue
-        made.append((wanted, name, summary, export(part, summary, out / name if name else out)))
+        made.append((wanted, name, summary, (export if design.plots else export_tables)(part, summary,
+                                                                                     out / name if name else out)))
     for dataset, model in itertools.product(values[DATASET], values[MODEL]):
         both = select(collected, dataset=dataset, model=model) if len(values[PRECISION]) > 1 else None
         if both is None or both.data[PRECISION].nunique() < 2:

@@ -421,6 +421,8 @@ class AnalysisConfig(Checked):
     per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
     margin: float = key(0.5, "equivalence margin in accuracy points: a paired difference shown (TOST, 5%) to lie "
                              "within +-margin is `equivalent`", valid=(lambda v: 0 < v < 100, "a number in (0, 100)"))
+    plots: bool = key(True, "the sweep's report draws the learning curves, PNG and PDF (seconds a report); false: its "
+                            "tables only, as gaexp-report --no-plots")
     objective: str = key("window", "what an Optuna trial returns: window (the mean valid accuracy over the "
                                    "evaluations at step > window_start, the table's metric) or final (the last "
                                    "evaluation's)", valid=one_of(*OBJECTIVES))
