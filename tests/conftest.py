@@ -100,9 +100,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     if WORKERS > 1:
         slow, count = Counter(), Counter()
         for item in items:
-            count[item.nodeid.split("::")[0]] += 1
-            slow[item.nodeid.split("::")[0]] += item.get_closest_marker("slow") is not None
-        items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], -count[item.nodeid.split("::")[0]]))
+            count[item.path] += 1
+            slow[item.path] += item.get_closest_marker("slow") is not None
+        items.sort(key=lambda item: (-slow[item.path], -count[item.path]))
 
 
 def data_lock(dataset: str) -> FileLock:
