@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 
@@ -191,17 +192,31 @@ def test_a_study_refuses_to_answer_another_protocols_question_and_says_what_it_r
     assert OmegaConf.to_container(OmegaConf.load(results).studies.t)["ran"] == {"COMPLETE": 1}
 
 
-def freeze_outside_the_journal_lock(proc, lock, tries=200):
-    """SIGSTOP proc at a moment it holds no journal lock. Frozen inside one (its heartbeat writes every few
-    seconds), the other sweep would break the lock after Optuna's 30 s grace, and proc's release would raise
-    when thawed: a fault of the freeze, not of two sweeps sharing a storage."""
+def store_unlocked(store) -> bool:
+    """Whether no process holds any lock on the SQLite file `store`: an exclusive transaction begins at once."""
+    db = sqlite3.connect(store, timeout=0, isolation_level=None)
+    try:
+        db.execute("BEGIN EXCLUSIVE")
+        db.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:  # database is locked
+        return False
+    finally:
+        db.close()
+
+
+def freeze_holding_no_lock(proc, lock, store, tries=200):
+    """SIGSTOP proc at a moment it holds neither the journal's lock nor any lock on the MLflow store. Frozen inside
+    the journal's (its heartbeat writes every few seconds), the other sweep would break it after Optuna's 30 s grace,
+    and proc's release would raise when thawed; frozen inside a store transaction, the other sweep's run would wait
+    past SQLite's 20 s and its trial fail: faults of the freeze, not of two sweeps sharing a storage."""
     for _ in range(tries):
         os.killpg(proc.pid, signal.SIGSTOP)
-        if not os.path.lexists(lock):
+        if not os.path.lexists(lock) and store_unlocked(store):
             return
         os.killpg(proc.pid, signal.SIGCONT)
         time.sleep(0.05)
-    raise AssertionError(f"{lock} held at each of {tries} tries")
+    raise AssertionError(f"{lock} or {store} locked at each of {tries} tries")
 
 
 @pytest.mark.slow
@@ -221,7 +236,7 @@ def test_two_sweeps_on_one_storage_at_once_leave_each_others_trials_alone(tmp_pa
             except KeyError:  # no journal or no study yet
                 pass
             time.sleep(0.2)
-        freeze_outside_the_journal_lock(a, tmp_path / "optuna.journal.lock")
+        freeze_holding_no_lock(a, tmp_path / "optuna.journal.lock", tmp_path / "mlflow.db")
         b = gaexp_command(tmp_path, *settings)
         assert b.returncode == 0, b.stderr[-3000:]
         assert "t: 1 trial(s) before, this command ran 1 (COMPLETE 1)" in b.stdout + b.stderr
