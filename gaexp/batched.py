@@ -23,20 +23,21 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gaexp.data.batches import Draw, Split
 from gaexp.model import ZeroPadShortcut
 from gaexp.norms import COUPLES
 from gaexp.precision import Precision
+from gaexp.task import MICRO, Task
+from gaexp.task.classify import Classify
 
 # Layers that compute each sample from that sample alone, in training as in evaluation.
 PER_SAMPLE: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Identity, nn.Flatten, nn.GroupNorm, nn.LayerNorm,
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Mish,
     nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
-    ZeroPadShortcut)
+    nn.Embedding, nn.RMSNorm, ZeroPadShortcut)
 # Torch's layers that couple a batch's samples in training, chunked by b; InstanceNorm only when it tracks running
 # statistics (their update averages over the batch), per sample otherwise.
 COUPLED: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -103,15 +104,20 @@ class Chunking:
 
 
 def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[Draw], num_accum: int,
-                       precision: Precision | None = None, *, chunking: Chunking) -> torch.Tensor:
+                       precision: Precision | None = None, task: Task | None = None, *,
+                       chunking: Chunking) -> torch.Tensor:
     """The loop's step (gaexp/train.py `accumulate`) in one pass: the next `num_accum` micro-batches' samples,
-    in order, one forward (coupling layers chunked) and one backward of their mean loss, under `precision` (its
-    autocast and loss scale; the sum over the step's samples is the backward's own, so bf16 weights with
-    accumulate_in=param are the loop's alone: gaexp/engine.py); returns that loss as a device tensor (no host
-    synchronization)."""
+    in order, one forward (coupling layers chunked) and one backward of the step's loss as `task` normalizes it
+    (gaexp/task/: the mean of the k micro-batches' means, `chunked_loss`, or the sum over the step's count), under
+    `precision` (its autocast and loss scale; the sum over the step's samples is the backward's own, so bf16
+    weights with accumulate_in=param are the loop's alone: gaexp/engine.py); returns that loss as a device tensor
+    (no host synchronization)."""
     precision = precision or Precision.float32()
-    inputs, labels = data.batch(Draw.cat([next(batches) for _ in range(num_accum)]))
+    task = task or Classify()
+    inputs, targets = data.batch(Draw.cat([next(batches) for _ in range(num_accum)]))
     with chunking, precision.forward():
-        loss = F.cross_entropy(model(inputs).float(), labels)
+        outputs = model(inputs)
+        loss = (task.chunked_loss(outputs, targets, num_accum) if task.normalization == MICRO
+                else task.loss(outputs, targets) / task.count(targets))
     precision.backward(loss)
     return loss.detach()

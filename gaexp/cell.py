@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gaexp import engine, liveness, metrics, norms, precision, redact, replicas, tracking, trial
 from gaexp.batched import coupled_layers
-from gaexp.data.batches import Split
+from gaexp.data.batches import Draw, Split
 from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
 from gaexp.data.dataset import Dataset, Meta, describe, open_dataset, splits
 from gaexp.data.idx import raw_dir
@@ -35,7 +35,9 @@ from gaexp.machine import usable_cores
 from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, reset_peak_rss, sample_bytes
 from gaexp.model import check_model, make_model
 from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags, trial_tags
-from gaexp.train import compile_phases, resolve_device, train
+from gaexp.task import Task
+from gaexp.task.build import make as make_task
+from gaexp.train import StepPlan, compile_phases, resolve_device, train
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
@@ -93,7 +95,8 @@ def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int],
         return
     available, where = found
     try:
-        per_sample = sample_bytes(model, shape)
+        job = make_task(c.task)
+        per_sample = sample_bytes(model, *job.probe(shape, 0)[:2], job.loss)
     except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
         return
     b, k = c.regime.batch_size, c.regime.num_accum
@@ -220,14 +223,15 @@ def build(c: Config, dataset: Dataset, device: torch.device) -> tuple[torch.nn.M
 
 
 def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
-                   device: torch.device) -> dict[str, float]:
+                   device: torch.device, job: Task) -> dict[str, float]:
     """MiB autograd saves for one micro-batch (`activation_mb`: what the loop holds, whichever engine runs:
     the study's memory column) and, for accumulate=batched, for the b*k samples of a step
     (`batched_activation_mb`); then the process peaks start from here."""
     b, n = regime.batch_size, regime.batch_size * regime.num_accum
-    memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, data.inputs(slice(0, b)), data.labels[:b]) / 2**20}
+    first = (data.batch(Draw(torch.arange(size, device=data.labels.device))) for size in (b, n))
+    memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, *next(first), job.loss) / 2**20}
     if engine == "batched":
-        memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, data.inputs(slice(0, n)), data.labels[:n]) / 2**20
+        memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, *next(first), job.loss) / 2**20
     reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -280,8 +284,8 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
             tic = time.perf_counter()
             try:
                 with team(c, device, started) as group:
-                    history = train(model, train_data, valid_data, c.train, c.regime, c.seed, hooks, compiled,
-                                    c.accumulate, precision.Precision(c.precision, device), group)
+                    history = train(model, train_data, valid_data, c.train,
+                                    step_plan(c, device, group, compiled), make_task(c.task), hooks)
             except DivergedError as e:
                 client.set_tag(run_id, DIVERGED_STEP, str(e.step))
                 raise
@@ -298,8 +302,8 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     except Stopped as e:  # its run ended KILLED; the app tells the sweeper (optuna.TrialPruned)
         log.info("%s: %s", c.run_name, e)
         raise
-    log.info("%s: final valid_acc %.4f (run %s)", c.run_name, history[-1].valid_acc, run_id)
-    return returned_value(c, [(p.step, p.valid_acc) for p in history])
+    log.info("%s: final %s %.4f (run %s)", c.run_name, history[-1].headline, history[-1].value, run_id)
+    return returned_value(c, [(p.step, p.value) for p in history])
 
 
 @contextlib.contextmanager
@@ -358,8 +362,7 @@ def replica_main(index: int, c: Config, port: int, threads: int) -> None:
     store.set(replicas.READY.format(rank), "1")
     group = replicas.join(rank, w, store, device)
     try:
-        train(model, train_data, None, c.train, c.regime, c.seed, (), frozenset(), c.accumulate,
-              precision.Precision(c.precision, device), group)
+        train(model, train_data, None, c.train, step_plan(c, device, group), make_task(c.task))
     finally:
         group.close()
 
@@ -376,12 +379,18 @@ def follow(c: Config, choice: engine.Choice, group: replicas.Replicas) -> float:
         model, train_data, _ = build(c, open_dataset(c.data, progress=False), group.device)
         c = dataclasses.replace(c, accumulate=engine.within_split(choice, c.regime.batch_size, c.regime.num_accum,
                                                                   len(train_data)).engine)  # rank 0's engine
-        train(model, train_data, None, c.train, c.regime, c.seed, (), frozenset(), c.accumulate,
-              precision.Precision(c.precision, group.device), group)
+        train(model, train_data, None, c.train, step_plan(c, group.device, group), make_task(c.task))
     except Exception as e:  # noqa: BLE001 - rank 0 names it in the cell's run; a task that raised would stop a sweep
         log.exception("replica %d of %d failed", group.rank, group.world)
         group.failed(e)
     return float("nan")
+
+
+def step_plan(c: Config, device: torch.device, group: replicas.Replicas | None,
+              compiled: frozenset[str] = frozenset()) -> StepPlan:
+    """How the cell's steps are computed (gaexp/train.py): its regime, seed, engine and precision, as one of
+    `group`'s replicas, with `compiled`'s phases."""
+    return StepPlan(c.regime, c.seed, c.accumulate, precision.Precision(c.precision, device), group, compiled)
 
 
 def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
@@ -450,7 +459,7 @@ def lead(cfg: DictConfig, c: Config, choice: engine.Choice, device: torch.device
         log.warning("%s", line)
     resolved["accumulate"] = choice.engine  # the engine used: logged, and in the protocol key
     key = tracking.protocol_key(resolved)
-    memory = measure_memory(model, train_data, c.regime, c.accumulate, device)
+    memory = measure_memory(model, train_data, c.regime, c.accumulate, device, make_task(c.task))
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
     return train_and_track(c, resolved, key, choice, model, train_data, valid_data, dataset.meta, device, memory,
                            client, experiment_id, sweep_id, hydra_dir, bar, in_sweep, started_at, group)

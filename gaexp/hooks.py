@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Mapping
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -25,10 +26,19 @@ log = logging.getLogger("gaexp.train")
 class EvalPoint:
     step: int  # optimizer step
     train_loss: float  # mean unscaled loss over the last `loss_window` optimizer steps
-    valid_acc: float  # accuracy on the whole validation split, eval mode
+    valid: Mapping[str, float]  # the task's metrics on the whole validation split, eval mode, its headline first
     samples_per_sec: float  # training samples per second so far (evaluations excluded)
     loss_scale: float | None = None  # under a GradScaler (precision.scaler): the scale now
     skipped_steps: int | None = None  # and the optimizer steps it skipped so far
+
+    @property
+    def value(self) -> float:
+        """The headline's value (image classification: valid_acc)."""
+        return next(iter(self.valid.values()))
+
+    @property
+    def headline(self) -> str:
+        return next(iter(self.valid))
 
 
 class Hook:
@@ -129,11 +139,11 @@ class Progress(Hook):
 
     def after_eval(self, point: EvalPoint) -> None:
         self.compiling = False  # compiled: the postfix below replaces the word
-        self.bar.set_postfix(loss=f"{point.train_loss:.4f}", valid_acc=f"{point.valid_acc:.4f}",
+        self.bar.set_postfix(loss=f"{point.train_loss:.4f}", **{point.headline: f"{point.value:.4f}"},
                              samples_s=f"{point.samples_per_sec:.0f}")
         if not self.show:
-            log.info("%s step %d/%d train_loss %.4f valid_acc %.4f samples/s %.0f", self.desc, point.step,
-                     self.total, point.train_loss, point.valid_acc, point.samples_per_sec)
+            log.info("%s step %d/%d train_loss %.4f %s %.4f samples/s %.0f", self.desc, point.step,
+                     self.total, point.train_loss, point.headline, point.value, point.samples_per_sec)
 
     def close(self) -> None:
         self.bar.close()

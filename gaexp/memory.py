@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import resource
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,8 +13,10 @@ import torch.nn.functional as F
 CGROUP = Path("/sys/fs/cgroup")  # a container's memory limit: cgroup v2's memory.max, else v1's memory/ controller
 
 
-def activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves for backward in one forward of micro-batch `x`.
+def activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward of micro-batch `x` and its `loss` against
+    `y` (a task's, gaexp/task/; default image classification's).
 
     Runs on a copy of the model, so BatchNorm's running statistics are untouched.
     Each memory region counts once (an in-place ReLU's output is the saved
@@ -30,7 +33,7 @@ def activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(model(x), y)
+        loss(model(x), y)
     return sum(nbytes for _, nbytes in seen)
 
 
@@ -65,11 +68,11 @@ def rss_bytes(pid: int | str = "self") -> int | None:
     return _status_bytes("VmRSS", pid)
 
 
-def sample_bytes(model: torch.nn.Module, shape: tuple[int, int, int], samples: int = 2) -> float:
-    """`activation_bytes` per sample of images of `shape` (channels, height, width), measured on `samples`
-    blank ones: what each sample of a micro-batch adds to a step's memory."""
-    x = torch.zeros(samples, *shape).contiguous(memory_format=torch.channels_last)
-    return activation_bytes(model, x, torch.zeros(samples, dtype=torch.long)) / samples
+def sample_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> float:
+    """`activation_bytes` per sample of the blank samples `x` (a task's probe of the data's shape): what each
+    sample of a micro-batch adds to a step's memory."""
+    return activation_bytes(model, x, y, loss) / len(x)
 
 
 def _read_int(path: Path) -> int | None:

@@ -22,9 +22,14 @@ class Metric:
 
 SCALER = "scaler"  # logged by runs with a GradScaler only (precision.scaler)
 VALID_ACC = Metric("valid_acc", EVALUATION, "accuracy on the whole validation split, in eval mode")
+VALID_LOSS = Metric("valid_loss", EVALUATION, "language model: mean loss per predicted token over the whole "
+                                              "validation split, in nats")
+VALID_PPL = Metric("valid_ppl", EVALUATION, "language model: perplexity, exp(valid_loss)")
 TRAIN_LOSS = Metric("train_loss", EVALUATION, "mean unscaled training loss over the last train.loss_window steps")
 FINAL_VALID_ACC = Metric("final_valid_acc", RESULT, "valid_acc at the last evaluation")
 BEST_VALID_ACC = Metric("best_valid_acc", RESULT, "the highest valid_acc of the run")
+FINAL_VALID_LOSS = Metric("final_valid_loss", RESULT, "language model: valid_loss at the last evaluation")
+BEST_VALID_LOSS = Metric("best_valid_loss", RESULT, "language model: the lowest valid_loss of the run")
 # In the report's order (its memory and speed table).
 ACTIVATION_MB = Metric("activation_mb", RESOURCE, "MiB autograd saves for one micro-batch: what the loop holds")
 PEAK_RSS_MB = Metric("peak_rss_mb", RESOURCE, "the process's peak resident memory while training, MiB", True)
@@ -46,10 +51,35 @@ BEST_TRIAL = Metric("best_trial", STUDY, "the best trial's number")
 TRIAL_VALUE = Metric("value", TRIAL, "the trial's value: the mean of its repeats' values")
 SEARCH_METRICS = (BEST_VALUE, BEST_TRIAL, TRIAL_VALUE)
 
-METRICS = (VALID_ACC, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
+METRICS = (VALID_ACC, VALID_LOSS, VALID_PPL, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, FINAL_VALID_LOSS,
+           BEST_VALID_LOSS, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
            SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB,
            LOSS_SCALE, SKIPPED_STEPS)
-HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and not m.only)  # valid_acc, train_loss
+HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and not m.only)  # valid_acc, ..., train_loss
 SCALER_HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and m.only == SCALER)  # loss_scale
 RESOURCES = tuple(m.name for m in METRICS if m.per == RESOURCE)
 MEASURED = frozenset(m.name for m in METRICS if m.measured)
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A task's one result that ranks its runs (gaexp/task/): the metric, its direction, and how the report shows
+    it (a value times `scale`, in `unit`; the equivalence margin is in that unit)."""
+
+    metric: Metric
+    higher_is_better: bool
+    scale: float  # shown as value * scale
+    unit: str  # of the shown value and of the margin: "points" (accuracy %), "nats"
+
+
+ACCURACY = Headline(VALID_ACC, True, 100.0, "points")
+TOKEN_LOSS = Headline(VALID_LOSS, False, 1.0, "nats")
+HEADLINES = (ACCURACY, TOKEN_LOSS)
+
+
+def headline_named(name: str) -> Headline:
+    """The headline whose metric is `name` (valid_acc, valid_loss)."""
+    found = next((h for h in HEADLINES if h.metric.name == name), None)
+    if found is None:
+        raise ValueError(f"headline metric {name!r}; valid: {', '.join(h.metric.name for h in HEADLINES)}")
+    return found

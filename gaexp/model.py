@@ -16,6 +16,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from gaexp import norms, targets
+from gaexp.task.build import make as make_task
 from gaexp.config import Config
 from gaexp.targets import TargetError
 
@@ -125,24 +126,27 @@ def norm_channels(make: Callable[..., nn.Module], in_channels: int, num_classes:
     return channels
 
 
-def check_output(model: nn.Module, target: str, shape: tuple[int, int, int], num_classes: int,
+def check_output(model: nn.Module, target: str, probe: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]],
                  data: str = "the data") -> None:
-    """A batch of 2 blank images of the data's `shape` must give (2, num_classes) logits (evaluation mode, no
-    gradient)."""
+    """A batch of blank samples of the data's shape (a task's `probe`: its inputs, and the output shape it expects,
+    for images (2, num_classes) logits) must give that output (evaluation mode, no gradient)."""
+    inputs, _, expected = probe
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = model(torch.zeros(2, *shape))
+            out = model(inputs)
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
         raise TargetError(f"model.target={target!r}: its forward fails on a batch of shape "
-                         f"{(2, *shape)} ({data}): {type(e).__name__}: {e}") from None
+                         f"{tuple(inputs.shape)} ({data}): {type(e).__name__}: {e}") from None
     finally:
         model.train(was_training)
     got = tuple(getattr(out, "shape", ()))
-    if got != (2, num_classes):
-        raise TargetError(f"model.target={target!r}: a batch of 2 images gave output of shape {got or type(out)}; "
-                         f"expected (2, {num_classes}) logits ({data} has {num_classes} classes)")
+    if got != expected:
+        what = "logits" if len(expected) == 2 else "next-token logits"
+        what_in = "images" if len(expected) == 2 else "samples"
+        raise TargetError(f"model.target={target!r}: a batch of {len(inputs)} {what_in} gave output of shape "
+                         f"{got or type(out)}; expected {expected} {what} ({data} has {expected[-1]} classes)")
 
 
 # --- the model of a cell's config ---------------------------------------------------------------------
@@ -157,7 +161,7 @@ def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> tor
     norms.require_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
         model = make_model(c, shape[0], num_classes, make)
-    check_output(model, c.model.target, shape, num_classes, f"data={c.data.dataset}")
+    check_output(model, c.model.target, make_task(c.task).probe(shape, num_classes), f"data={c.data.dataset}")
     return model
 
 

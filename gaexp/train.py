@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from gaexp.batched import Chunking, accumulate_batched
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
@@ -22,6 +22,10 @@ from gaexp.machine import device_type
 from gaexp.norms import compiled_training
 from gaexp.precision import Precision
 from gaexp.replicas import Replicas, replica_draws, summing_locally
+from gaexp.task import MICRO, Task
+from gaexp.task.classify import Classify
+
+CLASSIFY = Classify()  # the default task: image classification, as every run before tasks
 
 log = logging.getLogger(__name__)
 
@@ -91,22 +95,27 @@ def planned_phases(choice: str, norm: str) -> frozenset[str]:
 
 
 def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num_accum: int,
-               precision: Precision | None = None) -> torch.Tensor:
-    """Forward and backward `num_accum` micro-batches, each loss scaled by 1/k, under `precision` (default fp32:
-    its autocast, its loss scale, its sum in `.grad` or a float32 buffer; the loss in float32).
+               precision: Precision | None = None, task: Task = CLASSIFY) -> torch.Tensor:
+    """Forward and backward `num_accum` micro-batches under `precision` (default fp32: its autocast, its loss scale,
+    its sum in `.grad` or a float32 buffer; the loss in float32), each loss normalized as `task` declares
+    (gaexp/task/): a micro-batch's mean scaled by 1/k, or a sum divided by the step's count of items, counted over
+    the step's k micro-batches before the first backward.
 
-    Gradients add up; returns the step's mean unscaled loss as a device tensor (no host synchronization).
+    Gradients add up; returns the step's loss (the mean of the micro-batches' means, or the step's sum over its
+    count) as a device tensor (no host synchronization).
     """
     precision = precision or Precision.float32()
+    draws = [next(batches) for _ in range(num_accum)]
+    count = None if task.normalization == MICRO else sum(task.count(data.batch(d)[1]) for d in draws)
     total = torch.zeros((), device=data.labels.device)
-    for j in range(num_accum):
+    for j, draw in enumerate(draws):
         with summing_locally(model, last=j == num_accum - 1):  # under DDP: one all-reduce per step
-            inputs, labels = data.batch(next(batches))
+            inputs, targets = data.batch(draw)
             with precision.forward():
-                loss = F.cross_entropy(model(inputs).float(), labels)
-            precision.backward(loss / num_accum)
+                loss = task.loss(model(inputs), targets)
+            precision.backward(loss / num_accum if count is None else loss / count)
         total += loss.detach()
-    return total / num_accum
+    return total / num_accum if count is None else total / count
 
 
 def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Callable[..., torch.Tensor]:
@@ -121,53 +130,55 @@ def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Calla
     raise ValueError(f"accumulate={engine!r}; valid: {', '.join(ENGINES)}")
 
 
-@torch.inference_mode()
-def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256,
-             precision: Precision | None = None) -> float:
-    """Accuracy on the whole split in eval mode, in large batches, under the training's autocast."""
-    was_training = model.training
-    model.eval()
-    correct = torch.zeros((), dtype=torch.long, device=data.labels.device)
-    precision = precision or Precision.float32()
-    for start in range(0, len(data.labels), batch_size):
-        with precision.forward():
-            logits = model(data.inputs(slice(start, start + batch_size)))
-        correct += (logits.argmax(dim=1) == data.labels[start:start + batch_size]).sum()
-    model.train(was_training)
-    return correct.item() / len(data.labels)
+def evaluate(model: torch.nn.Module, data: Split, batch_size: int = 256, precision: Precision | None = None,
+             task: Task = CLASSIFY) -> dict[str, float]:
+    """`task`'s metrics of `model` on the whole split in eval mode, in batches of `batch_size`, under the training's
+    autocast (image classification: {"valid_acc": accuracy})."""
+    return task.evaluate(model, data, batch_size, precision or Precision.float32())
 
 
-def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, cfg: TrainConfig,
-          regime: RegimeConfig, seed: int, hooks: Sequence[Hook] = (), compiled: frozenset[str] = frozenset(),
-          engine: str = "loop", precision: Precision | None = None,
-          replicas: Replicas | None = None) -> list[EvalPoint]:
-    """Adam on `cfg.num_iterations` optimizer steps of `regime.num_accum` micro-batches of `regime.batch_size`,
-    in the data order of `seed` (and its augmentation, `train_data.augment`), each step's micro-batches computed by
-    `engine` (`step_function`); evaluates every `cfg.eval_period` steps and at the last step. The phases in
-    `compiled` run through torch.compile, one static graph per shape (Inductor caches them on disk). `precision`
-    (default fp32, gaexp/precision.py): the model and data already in its weights' dtype; a step its scaler skips
-    is counted, not retried. `replicas` (gaexp/replicas.py): this process is one of w data-parallel replicas, the
-    model under DDP, its micro-batches its share of each step's; the train loss is the replicas' mean, and only
-    rank 0 evaluates (`valid_data` None elsewhere)."""
+@dataclass(frozen=True)
+class StepPlan:
+    """How each optimizer step is computed: `regime.num_accum` micro-batches of `regime.batch_size` in the data
+    order of `seed` (and its augmentation), by `engine` (`step_function`), under `precision` (default fp32,
+    gaexp/precision.py: the model and data already in its weights' dtype), as one of `replicas` (gaexp/replicas.py;
+    None: alone), with the phases in `compiled` ("train", "eval") through torch.compile."""
+
+    regime: RegimeConfig
+    seed: int
+    engine: str = "loop"
+    precision: Precision | None = None
+    replicas: Replicas | None = None
+    compiled: frozenset[str] = frozenset()
+
+
+def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, cfg: TrainConfig, plan: StepPlan,
+          task: Task = CLASSIFY, hooks: Sequence[Hook] = ()) -> list[EvalPoint]:
+    """Adam on `cfg.num_iterations` optimizer steps computed as `plan` says, the loss `task`'s (gaexp/task/);
+    evaluates every `cfg.eval_period` steps and at the last step. Compiled phases run one static graph per shape
+    (Inductor caches them on disk). A step a scaler skips is counted, not retried. Under `plan.replicas` the model
+    is under DDP, its micro-batches its share of each step's, the train loss the replicas' mean, and only rank 0
+    evaluates (`valid_data` None elsewhere)."""
+    regime, compiled = plan.regime, plan.compiled
     if compiled:  # a worker process runs many cells: start each with no graphs in memory, or Dynamo's
         torch._dynamo.reset()  # recompile limit would silently turn later cells eager (Inductor's disk cache stays)
     forward = torch.compile(model, dynamic=False) if "train" in compiled else model
     eval_forward = torch.compile(model, dynamic=False) if "eval" in compiled else model
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    precision = precision or Precision.float32()
+    precision = plan.precision or Precision.float32()
     precision.prepare(model)
-    gradient = step_function(engine, model, regime.batch_size)
-    batches = micro_batches(len(train_data), regime.batch_size, seed, train_data.augment, train_data.labels.device)
-    if replicas is not None:
-        forward, batches = replicas.wrap(forward), replica_draws(batches, replicas.rank, replicas.world,
-                                                                 regime.num_accum)
-    losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's mean unscaled loss
+    gradient = step_function(plan.engine, model, regime.batch_size)
+    batches = micro_batches(len(train_data), regime.batch_size, plan.seed, train_data.augment, train_data.labels.device)
+    if plan.replicas is not None:
+        forward, batches = plan.replicas.wrap(forward), replica_draws(batches, plan.replicas.rank, plan.replicas.world,
+                                                                      regime.num_accum)
+    losses = torch.zeros(cfg.num_iterations, device=train_data.labels.device)  # each step's loss
     history: list[EvalPoint] = []
     train_seconds, tic = 0.0, time.perf_counter()
     model.train()
     try:
         for step in range(1, cfg.num_iterations + 1):
-            losses[step - 1] = gradient(forward, train_data, batches, regime.num_accum, precision)
+            losses[step - 1] = gradient(forward, train_data, batches, regime.num_accum, precision, task)
             precision.step(optimizer)  # under a scaler, skipped whole where a gradient is not finite
             optimizer.zero_grad(set_to_none=True)
             for hook in hooks:
@@ -176,13 +187,13 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
                 continue
             train_seconds += time.perf_counter() - tic  # evaluations are left out of the training rate
             window = losses[max(0, step - cfg.loss_window):step]
-            train_loss = (window if replicas is None else replicas.mean(window)).mean().item()
+            train_loss = (window if plan.replicas is None else plan.replicas.mean(window)).mean().item()
             if valid_data is not None:
                 for hook in hooks:
                     hook.before_eval(model, step)
                 samples_per_sec = step * regime.samples / train_seconds
                 history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size,
-                                                                    precision), samples_per_sec, precision.scale,
+                                                                    precision, task), samples_per_sec, precision.scale,
                                          precision.skipped if precision.scaler.is_enabled() else None))
                 for hook in hooks:
                     hook.after_eval(history[-1])

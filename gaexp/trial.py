@@ -18,7 +18,7 @@ from gaexp.hooks import EvalPoint, Hook, Stopped
 
 
 class ReportToTrial(Hook):
-    """After each evaluation: report `valid_acc` at its step (a trial of several repeats: their mean, once
+    """After each evaluation: report the headline (`valid_acc` for images) at its step (a trial of several repeats: their mean, once
     each has reported the step); stop training if the trial should be pruned."""
 
     def __init__(self, trial_config: OptunaTrialConfig) -> None:
@@ -26,9 +26,9 @@ class ReportToTrial(Hook):
         self.repeat, self.repeats = trial_config.repeat, trial_config.repeats
 
     def after_eval(self, point: EvalPoint) -> None:
-        report(self.trial, self.repeat, self.repeats, point.step, point.valid_acc)
+        report(self.trial, self.repeat, self.repeats, point.step, point.value)
         if self.trial.should_prune():
-            raise Stopped(point.step, f"pruned by Optuna (valid_acc {point.valid_acc:.4f})")
+            raise Stopped(point.step, f"pruned by Optuna ({point.headline} {point.value:.4f})")
 
 
 def objective(points: list[tuple[int, float]], design: AnalysisConfig) -> float:

@@ -314,7 +314,7 @@ def add_run(client, experiment_id, norm, regime, seed, accs, sweep="sweep-a", st
                                              (Path(CONFIG_DIR) / "precision" / f"{precision}.yaml").read_text())}}
                                             if precision else {})})
     for step, acc in zip(range(eval_period, num_iterations + 1, eval_period), accs):
-        tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, acc, 0.0))
+        tracking.log_eval_point(client, run_id, EvalPoint(step, 1.0 - acc, {"valid_acc": acc}, 0.0))
     for key, value in (summary or {}).items():
         client.log_metric(run_id, key, value)
     client.set_terminated(run_id, status)

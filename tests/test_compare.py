@@ -17,7 +17,7 @@ def make_store(path, acc_at_4=0.5, tags=None, params=None, wall=1.0):
         base = {"norm": name.split("-")[0], "sweep_id": str(path), "protocol_key": "k-" + name}
         with tracking.tracked_run(client, experiment_id, name, {**base, **(tags or {})}) as run_id:
             tracking.log_params(client, run_id, {"train": {"lr": 0.001}, **(params or {})})
-            history = [EvalPoint(2, 0.9, 0.25, 10.0), EvalPoint(4, 0.8, acc_at_4, 10.0)]
+            history = [EvalPoint(2, 0.9, {"valid_acc": 0.25}, 10.0), EvalPoint(4, 0.8, {"valid_acc": acc_at_4}, 10.0)]
             for point in history:
                 tracking.log_eval_point(client, run_id, point)
             tracking.log_summary(client, run_id, history, wall_seconds=wall)

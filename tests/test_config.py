@@ -24,7 +24,7 @@ from gaexp.machine import cgroup_cpus, usable_cores
 from gaexp.model import SimpleModel
 from gaexp.layers import BatchRenorm2d, CrossReplicaBatchNorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 from gaexp.norms import NORMS, norm_layer
-from gaexp.train import train
+from gaexp.train import StepPlan, train
 
 NORM_CHOICES = ["bn", "in", "gn4", "gn16", "none", "gn", "ln", "in_affine", "bn_precise", "bn_microeval", "brn", "bn_kmom",
                 "bn_sync"]
@@ -86,9 +86,9 @@ def test_every_cell_composes_and_trains(norm, regime, compose, train_split, smal
         if norm not in ("bn_precise", "bn_microeval", "brn", "bn_kmom") or regime == "bs4a4":
             assert all(getattr(m, k) == pytest.approx(v) for m in layers for k, v in options.items()), norm
     before = [p.detach().clone() for p in model.parameters()]
-    history = train(model, train_split, small_valid, c.train, c.regime, c.seed)
+    history = train(model, train_split, small_valid, c.train, StepPlan(c.regime, c.seed))
     assert [p.step for p in history] == [1, 2]
-    assert all(0.0 <= p.valid_acc <= 1.0 and p.train_loss > 0 for p in history)
+    assert all(0.0 <= p.value <= 1.0 and p.train_loss > 0 for p in history)
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # every tensor trained
     tracked = [int(m.num_batches_tracked) for m in layers if getattr(m, "track_running_stats", False)]
     assert tracked == ([2 * c.regime.num_accum] * 4 if kind in (nn.BatchNorm2d, PreciseBatchNorm2d,
@@ -206,7 +206,7 @@ RANGE_ERRORS = {
     "stats samples": (["norm=bn_precise", "norm.stats_samples=0"], r"norm.stats_samples=0; valid: an integer >= 1"),
     "reference": (["analysis.reference=bs1a1"], r"analysis.reference='bs1a1'; valid: one of analysis.table_columns"),
     "key forced in": (["norm=bn", "+norm.groups=4"], r"norm.groups is not a key of norm=bn; valid: name$"),
-    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: model, norm, regime, precision, seed, device, device_type, deterministic, train, "),
+    "top key forced in": (["+lr=0.1"], r"lr is not a key of the config; valid: task, model, norm, regime, precision, seed, device, device_type, deterministic, train, "),
     "nested key forced in": (["+train.learning_rate=0.1"], r"train.learning_rate is not a key of train; valid: "
                                                             r"num_iterations, eval_period, lr, loss_window, eval_batch_size"),
 }
@@ -235,10 +235,11 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
-    assert PROTOCOL_COLUMNS == ["model.name", "model.target", "precision.autocast", "precision.weights",
+    assert PROTOCOL_COLUMNS == ["task.name", "task.loss", "model.name", "model.target", "precision.autocast", "precision.weights",
                                 "precision.accumulate_in", "precision.scaler", "precision.name", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "accumulate", "data.dataset", "data.size", "data.channels",
-                                "data.mean", "data.std", "data.augment", "data.digest", "data.holdout"]
+                                "data.mean", "data.std", "data.augment", "data.digest", "data.context", "data.packed",
+                                "data.separator", "data.holdout"]
     excluded = compose(hydra=True).hydra.job.config.override_dirname.exclude_keys
     # a sweep folder's name, and an Optuna study's identity, leave out the runtime keys but those deciding what a
     # trial returns
@@ -325,8 +326,8 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
               "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
-              "data.custom", "data.dataset", "data", "data.__main__", "precision", "hooks", "liveness", "faults", "trial",
-              "layers",
+              "data.custom", "data.text", "data.dataset", "data", "data.__main__", "precision", "task", "task.classify",
+              "task.lm", "task.build", "hooks", "liveness", "faults", "trial", "layers", "gpt",
               "norms", "model", "memory", "batched", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
               "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo", "tools.hf_zoo",
@@ -460,7 +461,7 @@ def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm
                                                     "bs4a4, or any bsBaK or wWbBaK (w >= 2); one replica's name is bs2a8"),
     (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, dp, precision, spec, spec_cifar10, spec_resnet20, "
                            "tune_lr"),
-    (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, imagefolder, mnist, svhn"),
+    (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, fortunes, imagefolder, mnist, svhn"),
     (["norm=gn", "norm.groups=5", "regime.batch_size=2", "regime.num_accum=8", "train.lr=0.1", "data.path=/x",
       "+data.params.n=3", "hydra.launcher.n_jobs=2", "launch=joblib", "model=custom", "model.target=a:b"], None),
     (["hydra.searchpath=[file:///my/conf]", "norm=my_norm"], None),  # files this cannot see

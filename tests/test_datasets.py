@@ -32,7 +32,7 @@ from gaexp.config import AnalysisConfig, RegimeConfig, TrainConfig, typed
 from gaexp.data.catalog import DataError, data_config
 from gaexp.model import ResNet20, SimpleModel
 from gaexp.norms import norm_layer
-from gaexp.train import train
+from gaexp.train import StepPlan, train
 from tests.conftest import TINY, Float64
 from tests.test_imagefolder import write_folder
 
@@ -328,15 +328,15 @@ def test_a_batch_independent_norm_stays_the_true_batch_with_augmentation_on(tmp_
     for b, k in ((16, 1), (4, 4), (1, 16)):
         torch.manual_seed(1)
         model = Float64(ResNet20(norm_layer("gn4"), in_channels=3))
-        train(model, data, data.take(slice(0, 8)), TrainConfig(num_iterations=3, eval_period=3), RegimeConfig(b, k),
-              seed=5)
+        train(model, data, data.take(slice(0, 8)), TrainConfig(num_iterations=3, eval_period=3), StepPlan(RegimeConfig(b, k),
+              5))
         weights[b] = torch.cat([p.detach().flatten() for p in model.parameters()])
     moved = (weights[16] - weights[4]).norm() / weights[16].norm()
     assert moved < 1e-12 and (weights[16] - weights[1]).norm() / weights[16].norm() < 1e-12
     torch.manual_seed(1)
     plain = Float64(ResNet20(norm_layer("gn4"), in_channels=3))
     train(plain, Split(images, data.labels, data.mean, data.std), data.take(slice(0, 8)),
-          TrainConfig(num_iterations=3, eval_period=3), RegimeConfig(16, 1), seed=5)
+          TrainConfig(num_iterations=3, eval_period=3), StepPlan(RegimeConfig(16, 1), 5))
     assert (torch.cat([p.detach().flatten() for p in plain.parameters()]) - weights[16]).norm() > 1e-6  # it augments
 
 

@@ -13,7 +13,7 @@ from gaexp.model import SimpleModel
 from gaexp.layers import (BatchRenorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d, PreciseStatistics, kmom,
                           precise_statistics)
 from gaexp.norms import NORMS, norm_layer
-from gaexp.train import train
+from gaexp.train import StepPlan, train
 
 BN_LIKE = dict(r_max=1.0, d_max=0.0, warmup_steps=0, ramp_steps=0)  # Batch Renorm with no correction: BatchNorm
 
@@ -149,8 +149,8 @@ def test_eval_only_remedies_train_exactly_like_bn(train_split, small_valid):
     def trained(norm, **options):
         torch.manual_seed(3)
         model = SimpleModel(norm_layer(norm, **options))
-        history = train(model, train_split, small_valid, TrainConfig(num_iterations=6, eval_period=3), RegimeConfig(1, 4),
-                        seed=3, hooks=NORMS[norm].hooks_for(model, train_split, seed=3))
+        history = train(model, train_split, small_valid, TrainConfig(num_iterations=6, eval_period=3), StepPlan(RegimeConfig(1, 4),
+                        3), hooks=NORMS[norm].hooks_for(model, train_split, seed=3))
         return model, history
 
     bn, bn_history = trained("bn")

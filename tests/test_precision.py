@@ -241,13 +241,13 @@ def test_a_cpu_without_bf16_instructions_is_said_to_be_slow(monkeypatch):
 
 def test_training_counts_a_skipped_step_and_reports_the_scale_at_each_evaluation(train_split, small_valid):
     from gaexp.config import RegimeConfig, TrainConfig
-    from gaexp.train import train
+    from gaexp.train import StepPlan, train
 
     model = net(at=3)  # the third micro-batch of the first step overflows
     history = train(model, train_split, small_valid, TrainConfig(num_iterations=2, eval_period=1),
-                    RegimeConfig(4, 4), 1, precision=Precision(config(scaler=True), CPU))
+                    StepPlan(RegimeConfig(4, 4), 1, precision=Precision(config(scaler=True), CPU)))
     assert [(p.step, p.loss_scale, p.skipped_steps) for p in history] == [(1, 2.0 ** 15, 1), (2, 2.0 ** 15, 1)]
-    plain = train(net(), train_split, small_valid, TrainConfig(num_iterations=1, eval_period=1), RegimeConfig(4, 4), 1)
+    plain = train(net(), train_split, small_valid, TrainConfig(num_iterations=1, eval_period=1), StepPlan(RegimeConfig(4, 4), 1))
     assert (plain[0].loss_scale, plain[0].skipped_steps) == (None, None)  # no scaler: nothing of its own
 
 

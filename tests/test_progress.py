@@ -506,7 +506,7 @@ def test_a_runs_bar_says_it_compiles_its_first_evaluation_and_no_more_after(comp
     bar.after_step(1, None)
     bar.before_eval(None, 5)
     assert (Progress.COMPILING in str(bar.bar)) is compiling_eval  # the line tqdm draws
-    bar.after_eval(EvalPoint(5, 0.25, 0.875, 123.4))
+    bar.after_eval(EvalPoint(5, 0.25, {"valid_acc": 0.875}, 123.4))
     assert Progress.COMPILING not in str(bar.bar) and "valid_acc=0.8750" in str(bar.bar)
     bar.before_eval(None, 10)  # compiled already: the second evaluation is quick
     assert Progress.COMPILING not in str(bar.bar)

@@ -27,7 +27,7 @@ from gaexp.hooks import EvalPoint
 from gaexp.model import SimpleModel
 from gaexp.layers import MicroBatchEvalBatchNorm2d
 from gaexp.norms import norm_layer
-from gaexp.train import evaluate, train
+from gaexp.train import StepPlan, evaluate, train
 from gaexp import memory
 from gaexp import tags as runtags
 
@@ -66,7 +66,8 @@ def test_a_run_that_raises_ends_failed_with_the_error(store):
 
 def test_histories_params_and_summary(store):
     client, experiment_id, _ = store
-    history = [EvalPoint(300, 0.5, 0.9, 100.0), EvalPoint(600, 0.25, 0.95, 120.0), EvalPoint(900, 0.2, 0.94, 130.0)]
+    history = [EvalPoint(300, 0.5, {"valid_acc": 0.9}, 100.0), EvalPoint(600, 0.25, {"valid_acc": 0.95}, 120.0),
+               EvalPoint(900, 0.2, {"valid_acc": 0.94}, 130.0)]
     with tracking.tracked_run(client, experiment_id, "run", {}) as run_id:
         tracking.log_params(client, run_id, {"train": {"lr": 0.001, "num_iterations": 900}, "seed": 1})
         for point in history:
@@ -267,8 +268,8 @@ def trained_bn(train_split, small_valid):
     """The study's model (bn, channels_last as app.build makes it) after 40 steps of 16 images, and its history."""
     torch.manual_seed(1)
     model = SimpleModel(norm_layer("bn")).to("cpu", memory_format=torch.channels_last)
-    history = train(model, train_split, small_valid, TrainConfig(num_iterations=40, eval_period=20), RegimeConfig(16, 1),
-                    seed=1)
+    history = train(model, train_split, small_valid, TrainConfig(num_iterations=40, eval_period=20), StepPlan(RegimeConfig(16, 1),
+                    1))
     return model, history
 
 
@@ -286,13 +287,13 @@ def test_the_model_is_logged_reloaded_and_evaluated_again_without_retraining(sto
     assert (logged.name, logged.source_run_id, logged.status, logged.params) == (
         "model", run_id, LoggedModelStatus.READY, {"norm.name": "bn", "seed": "1"})
     assert [(o.model_id, o.step) for o in client.get_run(run_id).outputs.model_outputs] == [(model_id, 40)]
-    assert {m.key: m.value for m in logged.metrics}["final_valid_acc"] == history[-1].valid_acc
+    assert {m.key: m.value for m in logged.metrics}["final_valid_acc"] == history[-1].value
 
     reloaded = tracking.load_model(client.tracking_uri, run_id)
     assert type(reloaded) is SimpleModel and not reloaded.training and reloaded is not model
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
     running = evaluate(model, small_valid)  # BatchNorm's running averages
-    assert running == history[-1].valid_acc > 0.2  # trained: above chance (0.41 here)
+    assert running["valid_acc"] == history[-1].value > 0.2  # trained: above chance (0.41 here)
     assert evaluate(reloaded, small_valid) == running
     # another BatchNorm evaluation mode on the reloaded weights: the statistics of each 16 images, as trained
     as_trained = evaluate(batch_statistics(reloaded, 16), small_valid)
@@ -395,7 +396,7 @@ def test_what_a_run_logs_is_what_the_metrics_declare(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = tracking.prepare_store(client.tracking_uri, "gaexp", str(tmp_path / "artifacts"))
     run_id = client.create_run(experiment).info.run_id
-    history = [EvalPoint(2, 1.5, 0.25, 100.0), EvalPoint(4, 1.0, 0.5, 120.0)]
+    history = [EvalPoint(2, 1.5, {"valid_acc": 0.25}, 100.0), EvalPoint(4, 1.0, {"valid_acc": 0.5}, 120.0)]
     for point in history:
         tracking.log_eval_point(client, run_id, point)
     tracking.log_summary(client, run_id, history, 3.0, {metrics.ACTIVATION_MB.name: 1.0, metrics.PEAK_RSS_MB.name: 9.0})
@@ -405,7 +406,8 @@ def test_what_a_run_logs_is_what_the_metrics_declare(tmp_path):
     for name in logged:
         steps = [m.step for m in client.get_metric_history(run_id, name)]
         assert steps == ([2, 4] if declared[name].per == metrics.EVALUATION else [4]), name
-    assert metrics.HISTORIES == ("valid_acc", "train_loss") and set(metrics.HISTORIES) <= set(vars(history[0]))
+    assert metrics.HISTORIES == ("valid_acc", "valid_loss", "valid_ppl", "train_loss")
+    assert {"valid_acc", "train_loss"} == {*history[0].valid, "train_loss"}  # what an image run logs of them
 
 
 def test_a_tracking_uri_with_a_password_reaches_the_server_as_basic_auth(monkeypatch):

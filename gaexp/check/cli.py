@@ -40,7 +40,7 @@ from gaexp.check.loss import LOSS_FORMS, MODEL_LOSS, NUM_ITEMS, loss_contract
 from gaexp.check.report import Report
 from gaexp.config import (ACCUMULATE_IN, CONFIG_DIR, DEVICES, FP32, DataConfig, PrecisionConfig, composition_problem,
                           typed, unknown_choice)
-from gaexp.data.catalog import DataError, data_config, names
+from gaexp.data.catalog import DataError, data_config, image_names
 from gaexp.data.dataset import describe, open_dataset
 from gaexp.model import ARGUMENTS, check_model, make_model
 from gaexp.precision import device_problem, precision_config
@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
         "hold different counts of tokens (as a collator's padding gives them); none: every row full, as packed "
         "sequences (default: %(default)s)"))
     p.add_argument("--data", default="random", help=(
-        f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(names())}, its "
+        f"random (inputs uniform in [0, 1), random classes) or a gaexp dataset: {', '.join(image_names())}, its "
         "first b*k training images in the seed's order, as a cell's model sees them (default: %(default)s)"))
     p.add_argument("--data-root", default=None, help=(
         "where the gaexp datasets are (default: where the study's commands put them, the config's data.root: "
@@ -226,8 +226,8 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
     if args.num_classes is not None or args.arg:
         raise CheckError("--num-classes and --arg are for an import path; a gaexp model takes its classes from its "
                          "dataset and its options from the config")
-    if args.data != "random" and args.data not in names():
-        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(names())}")
+    if args.data != "random" and args.data not in image_names():
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(image_names())}")
     problem = unknown_choice(overrides) or composition_problem(overrides)
     if problem:
         raise CheckError(problem)
@@ -257,10 +257,10 @@ def data_of(args: argparse.Namespace, keys: Sequence[str]) -> DataConfig | None:
     """The --data dataset for an import path, its keys given as data.KEY=VALUE after the target."""
     if args.data == "random":
         if keys:
-            raise CheckError(f"{' '.join(keys)}: data keys are for --data NAME; valid: --data {', '.join(names())}")
+            raise CheckError(f"{' '.join(keys)}: data keys are for --data NAME; valid: --data {', '.join(image_names())}")
         return None
-    if args.data not in names():
-        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(names())}")
+    if args.data not in image_names():
+        raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(image_names())}")
     given = {k.removeprefix("data."): v for k, v in (item.split("=", 1) for item in keys)}
     return data_config(args.data, args.data_root or "outputs/data", **{k: yaml.safe_load(v) for k, v in given.items()})
 

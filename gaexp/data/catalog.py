@@ -21,6 +21,11 @@ def names() -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / "data").glob("*.yaml"))
 
 
+def image_names() -> list[str]:
+    """The datasets of images (every kind but text): what gaexp-check's --data takes."""
+    return [n for n in names() if OmegaConf.load(Path(CONFIG_DIR) / "data" / f"{n}.yaml").get("kind") != "text"]
+
+
 def data_config(dataset: str, root: str | Path | None = None, sources: Sequence[str] | None = None,
                 **keys: object) -> DataConfig:
     """The `data` config of conf/data/<dataset>.yaml, outside Hydra (the CLI, the benchmark, the tests);

@@ -25,6 +25,7 @@ from gaexp.config import DataConfig, require
 import gaexp.data.custom as custom
 import gaexp.data.folder as folder
 import gaexp.data.idx as idx
+import gaexp.data.text as text
 import gaexp.data.torchvision_sets as torchvision_sets
 from gaexp.data.batches import Split, holdout_split
 from gaexp.data.catalog import Arrays, DataError
@@ -69,6 +70,8 @@ def describe(data: DataConfig) -> tuple[tuple[int, int, int], int]:
             raise DataError(f"data={data.dataset}: data.kind={data.kind} declares data.shape and data.num_classes "
                             "in its file (conf/data/)")
         return tuple(data.shape), data.num_classes
+    if data.kind == "text":
+        return (1, 1, data.context + 1), text.VOCAB
     if data.kind == "folder":
         shape, classes = folder.describe(Path(data.path), data.channels, data.size)
         return shape, _class_count(data, classes)
@@ -105,7 +108,7 @@ def open_dataset(data: DataConfig, progress: Optional[bool] = None) -> Dataset:
     like train, within the memory limit, the digest as given (data.digest); the test split is None for a
     folder or loader without one."""
     read = {"idx": idx.read, "torchvision": torchvision_sets.read, "custom": custom.read,
-            "folder": functools.partial(folder.read, progress=progress)}[data.kind]
+            "folder": functools.partial(folder.read, progress=progress), "text": text.read}[data.kind]
     arrays = read(data)
     shape = tuple(arrays.train_images.shape[1:])
     where = f"data={data.dataset}"
@@ -116,8 +119,10 @@ def open_dataset(data: DataConfig, progress: Optional[bool] = None) -> Dataset:
         require("data.shape", list(data.shape), list(data.shape) == list(shape), f"{list(shape)} (the images of {where})")
     count = len(arrays.train_images) + (len(arrays.test_images) if arrays.test_images is not None else 0)
     check_memory(data.dataset, count, shape, memory_limit(data.max_memory_mb))
-    num_classes = data.num_classes or _labels_range(arrays)
+    num_classes = text.VOCAB if data.kind == "text" else data.num_classes or _labels_range(arrays)
     for split, labels in (("train", arrays.train_labels), ("test", arrays.test_labels)):
+        if data.kind == "text":  # a text split's labels are its sequences' lengths (gaexp/data/text.py)
+            break
         if labels is not None and len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
             raise DataError(f"{where}: {split} labels in [{int(labels.min())}, {int(labels.max())}]; valid: "
                             f"0 .. {num_classes - 1} ({num_classes} classes"
@@ -131,8 +136,9 @@ def open_dataset(data: DataConfig, progress: Optional[bool] = None) -> Dataset:
                         "or another was given: leave data.digest null to take it)")
     mean, std = (None, None) if data.mean is None else (_per_channel(data.mean, shape[0], "mean"),
                                                         _per_channel(data.std, shape[0], "std"))
-    train = Split(arrays.train_images, arrays.train_labels, mean, std, data.augment)
-    test = None if arrays.test_images is None else Split(arrays.test_images, arrays.test_labels, mean, std)
+    kind = text.TextSplit if data.kind == "text" else Split
+    train = kind(arrays.train_images, arrays.train_labels, mean, std, data.augment)
+    test = None if arrays.test_images is None else kind(arrays.test_images, arrays.test_labels, mean, std)
     return Dataset(train, test, Meta(data.dataset, shape, num_classes, digest, arrays.source, arrays.classes))
 
 

@@ -182,6 +182,11 @@ def kept_deb(root: Path, spec: DebianSource) -> Path | None:
 
 
 def _from_debian(staging: Path, root: Path, spec: DebianSource, names: Sequence[str]) -> None:
+    unpack_deb(_from_debian_deb(staging, root, spec), spec.folder, names, staging)
+
+
+def _from_debian_deb(staging: Path, root: Path, spec: DebianSource) -> Path:
+    """The package's .deb, kept under `root`: fetched once by `apt-get download` (through `staging`)."""
     deb = kept_deb(root, spec)
     if deb is None:
         apt = shutil.which("apt-get")
@@ -196,7 +201,7 @@ def _from_debian(staging: Path, root: Path, spec: DebianSource, names: Sequence[
                             f"{proc.stderr.strip()[-300:]}")
         deb = root / fetched.name
         fetched.replace(deb)  # keep it: later rebuilds need no package server
-    unpack_deb(deb, spec.folder, names, staging)
+    return deb
 
 
 def ensure_data(data: DataConfig) -> Path:

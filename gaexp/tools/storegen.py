@@ -47,7 +47,7 @@ def cells() -> list[tuple[str, str, int]]:
 def curve(index: int) -> list[EvalPoint]:
     """A plausible learning curve, different per cell, the same on every machine."""
     top = 0.95 + 0.0004 * (index % 97)
-    return [EvalPoint(step=s, valid_acc=round(top * (1 - 0.5 ** (i + 1)), 6), train_loss=round(2.3 * 0.7 ** i, 6),
+    return [EvalPoint(step=s, valid={"valid_acc": round(top * (1 - 0.5 ** (i + 1)), 6)}, train_loss=round(2.3 * 0.7 ** i, 6),
                       samples_per_sec=400.0 + index) for i, s in enumerate(range(STEPS // EVALS, STEPS + 1, STEPS // EVALS))]
 
 

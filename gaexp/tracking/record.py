@@ -47,10 +47,10 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def curves_tags(history: Sequence[EvalPoint]) -> list[RunTag]:
-    """The run's evaluations (step, valid_acc, train_loss) as tags, so one search returns a sweep's curves
+    """The run's evaluations (step, headline, train_loss: valid_acc for images) as tags, so one search returns a sweep's curves
     whole: JSON in parts of at most MLflow's 8,000 characters a tag value (`CURVES`.<i>), and `CURVES`
     saying how many. The same floats the histories hold (JSON writes a float's shortest exact form)."""
-    text = json.dumps([[p.step, p.valid_acc, p.train_loss] for p in history], separators=(",", ":"))
+    text = json.dumps([[p.step, p.value, p.train_loss] for p in history], separators=(",", ":"))
     parts = [text[i:i + MAX_TAG_LENGTH] for i in range(0, len(text), MAX_TAG_LENGTH)]
     return [RunTag(CURVES, str(len(parts))), *(RunTag(f"{CURVES}.{i}", part) for i, part in enumerate(parts))]
 
@@ -122,8 +122,9 @@ def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> 
 def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
     """One batch per evaluation: the metric histories, with step = optimizer step, and the heartbeat."""
     now = int(time.time() * 1000)
-    names = [*metrics.HISTORIES, *(metrics.SCALER_HISTORIES if point.loss_scale is not None else ())]
-    client.log_batch(run_id, metrics=[Metric(name, getattr(point, name), now, point.step) for name in names],
+    values = {**point.valid, metrics.TRAIN_LOSS.name: point.train_loss,
+              **({metrics.LOSS_SCALE.name: point.loss_scale} if point.loss_scale is not None else {})}
+    client.log_batch(run_id, metrics=[Metric(name, value, now, point.step) for name, value in values.items()],
                      tags=[RunTag(HEARTBEAT, f"{now / 1000:.0f}")])
 
 
@@ -139,12 +140,14 @@ class MlflowLogger(Hook):
 
 def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wall_seconds: float,
                 extra: Mapping[str, float] | None = None) -> None:
-    """Run-level metrics at the last step: accuracy, speed, and any `extra` (e.g. memory); and the run's
-    curves as tags (`curves_tags`)."""
+    """Run-level metrics at the last step: the headline's final and best value (final_valid_acc and
+    best_valid_acc for images, the highest; final_valid_loss and best_valid_loss for a language model, the lowest),
+    speed, and any `extra` (e.g. memory); and the run's curves as tags (`curves_tags`)."""
     now, last = int(time.time() * 1000), history[-1]
+    best = max if metrics.headline_named(last.headline).higher_is_better else min
     values = {
-        metrics.FINAL_VALID_ACC.name: last.valid_acc,
-        metrics.BEST_VALID_ACC.name: max(p.valid_acc for p in history),
+        f"final_{last.headline}": last.value,
+        f"best_{last.headline}": best(p.value for p in history),
         metrics.WALL_SECONDS.name: wall_seconds,
         metrics.SAMPLES_PER_SEC.name: last.samples_per_sec,
         **({metrics.SKIPPED_STEPS.name: last.skipped_steps} if last.skipped_steps is not None else {}),

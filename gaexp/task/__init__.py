@@ -1,0 +1,75 @@
+"""A task: what a model is trained to do, seen by the engines and the report only through this contract (in the
+spirit of Lightning's LightningModule, whose trainer knows no task).
+
+A task declares
+- its headline (`metrics.Headline`): the one evaluation result that ranks runs, with its direction, scale and unit;
+- its loss and how the loss normalizes over the samples of a step (`normalization`):
+  - `MICRO`: the loss is a mean over each micro-batch's items. The engine averages the k micro-batches' means
+    (each scaled by 1/k). This is exact under accumulation when every micro-batch counts the same items
+    (images, sequences); otherwise it is what naive accumulation computes, and it is the task's choice to say so;
+  - `STEP`: the loss is a sum over the items, divided by the count of the whole step's items, which the engine
+    counts before any backward (`count`, as transformers' `num_items_in_batch` and torchtitan's
+    `global_valid_tokens`). Exact under accumulation by construction.
+- its evaluation: named metrics, the headline's first.
+
+The engines (gaexp/train.py, gaexp/batched.py) call `loss`, `chunked_loss` and `count`; tracking, progress and
+Optuna read the `EvalPoint`'s metrics by name; the report reads the headline (`headline_of`). A run's task is
+built from its config by gaexp/task/build.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from gaexp.metrics import ACCURACY, TOKEN_LOSS, Headline
+
+if TYPE_CHECKING:
+    import torch
+
+    from gaexp.data.batches import Split
+    from gaexp.precision import Precision
+
+MICRO, STEP = "micro", "step"
+CLASSIFY, LM = "classify", "lm"
+HEADLINES: Mapping[str, Headline] = {CLASSIFY: ACCURACY, LM: TOKEN_LOSS}  # torch-free: the report reads these
+
+
+class Task:
+    """The contract; a task subclasses it (gaexp/task/classify.py, gaexp/task/lm.py)."""
+
+    name: str
+    normalization: str = MICRO
+
+    @property
+    def headline(self) -> Headline:
+        return HEADLINES[self.name]
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """MICRO: the mean loss over these items; STEP: their summed loss (float32, whatever the forward's dtype)."""
+        raise NotImplementedError
+
+    def chunked_loss(self, outputs: torch.Tensor, targets: torch.Tensor, parts: int) -> torch.Tensor:
+        """MICRO, from one pass over `parts` equal consecutive micro-batches (the batched engine): the mean of their
+        `loss`es. This default is exact where every item of a micro-batch weighs the same (the mean over all)."""
+        return self.loss(outputs, targets)
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """STEP: the items these targets count, as a tensor (the step's count is the sum over its micro-batches)."""
+        raise NotImplementedError
+
+    def probe(self, shape: tuple[int, ...], num_classes: int, samples: int = 2
+              ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """(inputs, targets, the model's expected output shape) of `samples` blank samples of the data's `shape`:
+        what checks a model against the data (gaexp/model.py) and measures its memory per sample."""
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, data: Split, batch_size: int, precision: Precision) -> dict[str, float]:
+        """The named metrics of `model` on the whole split, in eval mode, the headline's first."""
+        raise NotImplementedError
+
+
+def headline_of(name: str) -> Headline:
+    """The headline of a recorded run's task (`task.name`; runs from before tasks: classify)."""
+    if name not in HEADLINES:
+        raise ValueError(f"task.name={name!r}; valid: {', '.join(HEADLINES)}")
+    return HEADLINES[name]
