@@ -44,14 +44,14 @@ def prepare(cfg: DictConfig) -> str:
     from gaexp.config import swept_cells
 
     cells = swept_cells(cfg)  # Hydra gives a callback the swept keys at their defaults
-    validate_cells(cfg, cells, typed_before_torch)  # types and ranges first: refused before torch and MLflow load
+    validate_cells(cfg, cells, typed_before_torch)[0]  # types and ranges first: refused before torch and MLflow load
     from mlflow.tracking import MlflowClient
 
     from gaexp import tracking, trial
     from gaexp.data.dataset import fetch, open_dataset, splits
     from gaexp.cell import validate_split, validated  # the model against the data, the memory: torch
 
-    c = validate_cells(cfg, cells, validated)
+    c, *swept = validate_cells(cfg, cells, validated)
     if str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")).startswith("hydra_plugins.gaexp_"):
         try:  # its settings, checked as Hydra makes it (after this callback)
             instantiate(cfg.hydra.sweeper)
@@ -63,7 +63,8 @@ def prepare(cfg: DictConfig) -> str:
     tracking.check_server(c.mlflow.tracking_uri)
     fetch(c.data)  # files and their MD5s, a download: ready before any job
     train, _ = splits(open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
-    validate_split(c, len(train), cfg.accumulate)  # the batch against the images it is drawn from, whatever the kind
+    for cell in swept or [c]:  # each cell's batch against the samples it is drawn from, whatever the kind (the
+        validate_split(cell, len(train), cfg.accumulate)  # command's own config has the swept keys at their defaults)
     experiment_id = tracking.prepare_store(c.mlflow.tracking_uri, c.mlflow.experiment_name, c.mlflow.artifact_location)
     client = MlflowClient(c.mlflow.tracking_uri)
     for run in tracking.mark_stale_runs(client, experiment_id, c.mlflow.stale_after_s):
@@ -81,16 +82,16 @@ def typed_before_torch(cfg: DictConfig) -> Config:
     return typed(job)
 
 
-def validate_cells(cfg: DictConfig, cells: list, validate: Callable[[DictConfig], Config]) -> Config:
+def validate_cells(cfg: DictConfig, cells: list, validate: Callable[[DictConfig], Config]) -> list[Config]:
     """`validate` on the command's first cell, then on each of `cells` (named as the grid sweeper names a bad
-    cell); returns the first cell's validated config."""
-    c = validate(job_config(cfg))
+    cell); returns the validated configs, the first cell's first."""
+    found = [validate(job_config(cfg))]
     for name, cell in cells:
         try:
-            validate(job_config(cell))
+            found.append(validate(job_config(cell)))
         except Exception as e:  # noqa: BLE001 - every kind of bad input of a cell is named the same way
             raise ValueError(f"cell {' '.join(name)}: {e}") from None
-    return c
+    return found
 
 
 class PrepareCallback(Callback):

@@ -36,7 +36,7 @@ from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, rese
 from gaexp.model import check_model, make_model
 from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags, trial_tags
 from gaexp.task import Task
-from gaexp.task.build import make as make_task
+from gaexp.task.build import make as make_task, problem as task_problem
 from gaexp.train import StepPlan, compile_phases, resolve_device, train
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
@@ -55,7 +55,8 @@ def validate_split(c: Config, size: int, setting: str | None = None) -> None:
     accumulate=batched computes at once. `setting`: what the command asked, where `c` has auto's choice made
     before the split's size was known (auto takes the loop for a step beyond the split: `engine.within_split`)."""
     b, k = c.regime.batch_size, c.regime.num_accum
-    split = f"the {size:,} training images of data={c.data.dataset}" + (
+    items = "sequences" if c.data.kind == "text" else "images"
+    split = f"the {size:,} training {items} of data={c.data.dataset}" + (
         f" left after data.holdout={c.data.holdout:,}" if c.data.holdout else "")
     require("regime.batch_size", b, b <= size, f"an integer in [1, {size}]: a micro-batch is at most {split}")
     if (setting or c.accumulate) == engine.BATCHED:
@@ -137,6 +138,8 @@ def validate(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     config declares it) and a run larger than this machine's memory. Returns the config with `accumulate` the
     engine the run uses (accumulate=auto resolved, gaexp/engine.py) and that choice."""
     c = typed(cfg)
+    if (problem := task_problem(c)) is not None:
+        raise ValueError(problem)
     shape, num_classes = describe(c.data)
     model = check_model(c, shape, num_classes)
     device = resolve_device(c.device)

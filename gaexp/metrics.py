@@ -69,11 +69,23 @@ class Headline:
     metric: Metric
     higher_is_better: bool
     scale: float  # shown as value * scale
-    unit: str  # of the shown value and of the margin: "points" (accuracy %), "nats"
+    unit: str  # of a difference and of the margin: "points" (of accuracy %), "nats"
+    digits: int  # decimals shown
+    symbol: str  # of a shown value: "%", "nats"
+    phrase: str  # what the value is, in the tables' titles
+
+    @property
+    def diff_unit(self) -> str:
+        """A difference's unit in words: percentage points, nats."""
+        return "percentage points" if self.unit == "points" else self.unit
+
+    def show(self, value: float, signed: bool = False) -> str:
+        """`value` as the tables print it: scaled, to `digits` decimals (signed: with its sign)."""
+        return f"{self.scale * value:{'+' if signed else ''}.{self.digits}f}"
 
 
-ACCURACY = Headline(VALID_ACC, True, 100.0, "points")
-TOKEN_LOSS = Headline(VALID_LOSS, False, 1.0, "nats")
+ACCURACY = Headline(VALID_ACC, True, 100.0, "points", 2, "%", "valid accuracy")
+TOKEN_LOSS = Headline(VALID_LOSS, False, 1.0, "nats", 3, "nats", "validation loss per token")
 HEADLINES = (ACCURACY, TOKEN_LOSS)
 
 

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from gaexp import metrics
 from gaexp.config import AnalysisConfig, CONFIG_DIR, PROTOCOL_COLUMNS
 from gaexp.norms import ORDER as DECLARED_ORDER
+from gaexp.task import headline_of
 from gaexp.tags import BATCH_SIZE, DATASET, MODEL, NORM, NUM_ACCUM, PRECISION, REGIME, SEED, SWEEP_ID
 
 
@@ -52,6 +53,31 @@ MEMORY_COLUMNS = [(metrics.ACTIVATION_MB, "mean"), (metrics.SAMPLES_PER_SEC, "me
 
 
 ACTIVATIONS = (metrics.ACTIVATION_MB.name, metrics.BATCHED_ACTIVATION_MB.name)  # its columns in MiB to 2 decimals
+
+
+TASK = column("task.name")  # the protocol column of the runs' task (gaexp/task/): its headline is the report's metric
+
+
+def as_rows(data: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
+    """`data` with its NORM column holding the report's rows: the norm, or the values of `analysis.rows`
+    (task.loss: the language-model study's loss normalizations)."""
+    if design.rows == NORM:
+        return data
+    return data.assign(**{NORM: data[column(design.rows)].astype(str)})
+
+
+def rows_label(design: AnalysisConfig) -> str:
+    """The rows' column header: norm, or loss."""
+    return column(design.rows)
+
+
+def headline(data: pd.DataFrame) -> metrics.Headline:
+    """The headline of the runs' one task (image classification's accuracy; a language model's loss per token):
+    the metric the report's tables show, with its direction, scale and unit."""
+    tasks = sorted(set(data[TASK].astype(str))) if TASK in data and len(data) else []
+    if len(tasks) > 1:
+        raise AnalysisError(f"runs of {len(tasks)} tasks ({', '.join(tasks)}) never pool; choose one sweep with --sweep")
+    return headline_of(tasks[0]) if tasks else metrics.ACCURACY
 
 
 class AnalysisError(RuntimeError):

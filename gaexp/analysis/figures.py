@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # no display: figures are files
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from gaexp.analysis.columns import Collected, TRAIN_LOSS, VALID_ACC, in_order, norm_order
+from gaexp.analysis.columns import Collected, TRAIN_LOSS, VALID_ACC, as_rows, headline, in_order, norm_order
 from gaexp.analysis.stats import Summary
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
 from gaexp.tags import DATASET, MODEL, NORM, REGIME, SEED
@@ -34,7 +34,9 @@ def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisCon
     from matplotlib.ticker import MaxNLocator
 
     design = design or AnalysisConfig()
-    if metric == VALID_ACC:
+    data, shown = as_rows(data, design), headline(data)
+    accuracy = metric == VALID_ACC and shown.higher_is_better  # the headline's column holds a loss for a language model
+    if accuracy:
         data = data.assign(**{VALID_ACC: 100 * data[VALID_ACC]})
     norms = in_order(data.norm, norm_order(design))
     regimes = in_order(data.regime, design.regime_order)
@@ -52,11 +54,13 @@ def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisCon
         ax.set_title(norm, fontsize=12)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: a short run's few never show as 2.5
-    if metric == VALID_ACC:  # zoom on the effective-batch-16 curves; bs1a1 may start below
+    if accuracy:  # zoom on the effective-batch-16 curves; bs1a1 may start below
         focus = stats_[stats_.regime.isin(design.table_columns)]
         low = (focus if not focus.empty else stats_)["mean"].min()
         axes[0].set_ylim(max(0.0, min(low, 95) - 2), 100)
         label = "validation accuracy (%)"
+    elif metric == VALID_ACC:
+        label = f"{shown.phrase} ({shown.symbol})"
     else:
         low, high = stats_["min"].min(), stats_["max"].max()
         if low == high:  # flat curves: give the log axis a range around them before it is made

@@ -14,7 +14,8 @@ import pandas as pd
 from scipy import stats
 
 from gaexp.analysis.columns import (ACTIVATIONS, AnalysisError, ENGINE, MEMORY_COLUMNS, PARTS, PROTOCOL, VALID_ACC,
-                                    column, in_order, norm_order)
+                                    as_rows, column, headline, in_order, norm_order)
+from gaexp.metrics import ACCURACY, Headline
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig, PROTOCOL_COLUMNS, parse_regime
 from gaexp.tags import BATCH_SIZE, DATASET, MODEL, NORM, NUM_ACCUM, PRECISION, REGIME, SEED
 
@@ -76,11 +77,12 @@ def seeds_to_settle(diff: float, sd: float, n: int, margin: float) -> int | None
     return next((m for m in range(n + 1, MAX_SEEDS + 1) if _settled(diff, sd, m, margin)), None)
 
 
-def paired_verdict(a: pd.Series, b: pd.Series, margin: float) -> dict:
+def paired_verdict(a: pd.Series, b: pd.Series, margin: float, higher_is_better: bool = True) -> dict:
     """Cell a against cell b, paired on their index (the seed): a - b's mean, its 95% t-interval (scipy's
     paired t-test), each cell's std across seeds, and the verdict at +-margin (same units as a and b):
     equivalent when statsmodels' paired TOST puts the difference inside +-margin at 5%; worse or better
-    (different) when the interval excludes 0; inconclusive otherwise, with the seeds that would settle it."""
+    (different) when the interval excludes 0, better being a higher value unless `higher_is_better` is False (a
+    loss); inconclusive otherwise, with the seeds that would settle it."""
     from statsmodels.stats.weightstats import ttost_paired  # the report's only user: not imported by the app
 
     pairs = pd.concat([a.rename("a"), b.rename("b")], axis=1).dropna()
@@ -102,7 +104,7 @@ def paired_verdict(a: pd.Series, b: pd.Series, margin: float) -> dict:
     if out["p_equivalent"] < ALPHA:
         verdict = VERDICTS[0]
     elif out["ci_low"] > 0 or out["ci_high"] < 0:
-        verdict = VERDICTS[2] if out["diff"] > 0 else VERDICTS[1]
+        verdict = VERDICTS[2] if (out["diff"] > 0) == higher_is_better else VERDICTS[1]
     else:
         verdict = VERDICTS[3]
         out["seeds_needed"] = seeds_to_settle(out["diff"], sd, n, margin)
@@ -133,6 +135,7 @@ class Summary:
     engines: str = ""  # which cells ran which engine, where they differ (accumulate=auto fell back for some)
     precision: str = ""  # and their one precision
     twins: pd.DataFrame = field(default_factory=pd.DataFrame)  # per norm and DP regime: against its accumulation twin
+    headline: Headline = ACCURACY  # the runs' task's metric (gaexp/task/): what the tables show, in its unit
 
     @property
     def label(self) -> str:
@@ -147,10 +150,10 @@ def label_of(dataset: str, model: str, precision: str = "") -> str:
                              if v not in ("", first))
 
 
-def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
-    """Every norm run on the ranked regime, best mean first, with its std across seeds and its paired
-    (same-seed) difference, 95% t-interval and verdict at design.margin to each baseline cell present.
-    `per_run`: windowed mean per (norm, regime, seed)."""
+def rank(per_run: pd.Series, design: AnalysisConfig, shown: Headline = ACCURACY) -> pd.DataFrame:
+    """Every norm (row) run on the ranked regime, best mean first (`shown`: the headline, its direction), with its
+    std across seeds and its paired (same-seed) difference, 95% t-interval and verdict at design.margin to each
+    baseline cell present. `per_run`: windowed mean per (norm, regime, seed)."""
     rows, regime = [], design.ranked_regime
     for norm in in_order(per_run.index.get_level_values(NORM).unique(), norm_order(design)):
         if (norm, regime) not in per_run.index:
@@ -160,7 +163,7 @@ def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
         for b_norm, b_regime in design.baseline_cells():
             name = f"{b_norm}/{b_regime}"
             base = per_run[b_norm, b_regime] if (b_norm, b_regime) in per_run.index else acc[[]]
-            pair = paired_verdict(acc, base, design.margin / 100)
+            pair = paired_verdict(acc, base, design.margin / shown.scale, shown.higher_is_better)
             if (b_norm, b_regime) == (norm, regime):
                 pair |= {"verdict": "baseline", "seeds_needed": None}
             row |= {f"vs {name}": pair["diff"], f"vs {name} low": pair["ci_low"], f"vs {name} high": pair["ci_high"],
@@ -169,7 +172,7 @@ def rank(per_run: pd.Series, design: AnalysisConfig) -> pd.DataFrame:
     ranking = pd.DataFrame(rows)
     if ranking.empty:
         return ranking
-    ranking = ranking.sort_values("mean", ascending=False, kind="stable").reset_index(drop=True)
+    ranking = ranking.sort_values("mean", ascending=not shown.higher_is_better, kind="stable").reset_index(drop=True)
     ranking.insert(0, "rank", range(1, len(ranking) + 1))
     return ranking
 
@@ -178,7 +181,9 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     """The tables, from the tidy data; evaluations at step > design.window_start count."""
     if data.empty:
         raise AnalysisError("no FINISHED runs to summarize")
-    check_protocol(data, design.per_cell)
+    data, shown = as_rows(data, design), headline(data)
+    check_protocol(data, [*design.per_cell, *([column(design.rows)] if design.rows != NORM else [])])
+    margin = design.margin / shown.scale
     window, window_note = data[data.step > design.window_start], ""
     if window.empty:  # a short budget: the evaluations there are, said in the table's header
         window = data
@@ -208,7 +213,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
         for regime in (r for r in columns if r != reference):
             if (norm, regime) not in per_run.index or (norm, reference) not in per_run.index:
                 continue
-            pair = paired_verdict(per_run[norm, regime], per_run[norm, reference], design.margin / 100)
+            pair = paired_verdict(per_run[norm, regime], per_run[norm, reference], margin, shown.higher_is_better)
             if pair["pairs"]:
                 paired_rows.append({NORM: norm, REGIME: regime, **pair})
     paired = pd.DataFrame(paired_rows, columns=[NORM, REGIME, *PAIRED_COLUMNS])
@@ -217,9 +222,9 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     seeds = per_run.groupby([NORM, REGIME]).size()
     missing = [f"{n}/{r}: " + (f"{seeds[n, r]} of {most} seeds" if (n, r) in seeds.index else "no run")
                for n in norms for r in regimes if (n, r) not in seeds.index or seeds[n, r] < most]
-    return Summary(table, cells, paired, missing, design, rank(per_run, design), data[DATASET].iloc[0],
+    return Summary(table, cells, paired, missing, design, rank(per_run, design, shown), data[DATASET].iloc[0],
                    data[MODEL].iloc[0], window_note, engines_note(data, norms, regimes), data[PRECISION].iloc[0],
-                   twins(per_run, norms, columns, design.margin / 100))
+                   twins(per_run, norms, columns, margin, shown.higher_is_better), shown)
 
 
 SYNCHRONIZED = ("bn_sync",)  # norms whose statistics span the replicas: their normalization batch is w*b
@@ -235,7 +240,8 @@ def twin_of(regime: str) -> str | None:
     return f"bs{b}a{w * k}"
 
 
-def twins(per_run: pd.Series, norms: Sequence[str], columns: Sequence[str], margin: float) -> pd.DataFrame:
+def twins(per_run: pd.Series, norms: Sequence[str], columns: Sequence[str], margin: float,
+          higher_is_better: bool = True) -> pd.DataFrame:
     """Each data-parallel cell of the table against its accumulation twin (`twin_of`), paired on the seed, with
     its normalization batch (b, or w*b where the norm is synchronized) and optimization batch (w*b*k)."""
     rows, per_run = [], per_run.sort_index()
@@ -245,7 +251,7 @@ def twins(per_run: pd.Series, norms: Sequence[str], columns: Sequence[str], marg
             if twin is None or (norm, regime) not in per_run.index or (norm, twin) not in per_run.index:
                 continue
             b, k, w = parse_regime(regime)
-            pair = paired_verdict(per_run[norm, regime], per_run[norm, twin], margin)
+            pair = paired_verdict(per_run[norm, regime], per_run[norm, twin], margin, higher_is_better)
             rows.append({NORM: norm, REGIME: regime, "twin": twin,
                          "norm_batch": w * b if norm in SYNCHRONIZED else b, "opt_batch": w * b * k, **pair})
     return pd.DataFrame(rows, columns=[NORM, REGIME, "twin", "norm_batch", "opt_batch", *PAIRED_COLUMNS])

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from gaexp.analysis.columns import ACTIVATIONS, Collected, PARTS
+from gaexp.analysis.columns import ACTIVATIONS, Collected, PARTS, rows_label
 from gaexp.analysis.figures import export_plots
 from gaexp.analysis.stats import Precisions, Summary, memory_table, verdict_text
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
+from gaexp.metrics import ACCURACY, Headline
 from gaexp.tags import NORM, PRECISION, REGIME
 
 
@@ -60,49 +61,57 @@ def format_memory(memory: pd.DataFrame) -> str:
 
 
 def format_table(summary: Summary) -> str:
-    """The study's table as Markdown, then the fuller one, the paired differences and what is missing."""
-    def pct(x: float) -> str:
-        return "–" if pd.isna(x) else f"{100 * x:.2f}"
+    """The study's table as Markdown, then the fuller one, the paired differences and what is missing, in the
+    headline's unit (accuracy %, or a language model's loss per token in nats)."""
+    shown, rows = summary.headline, rows_label(summary.design)
 
-    header = [NORM, *summary.table.columns]
+    def pct(x: float) -> str:
+        return "–" if pd.isna(x) else shown.show(x)
+
+    def signed(x: float) -> str:
+        return shown.show(x, signed=True)
+
+    header = [rows, *summary.table.columns]
     over = summary.window_note or f"evaluations at step > {summary.design.window_start}"
-    lines = [f"{summary.label}: mean valid accuracy (%) over {over}, pooled over seeds", "",
+    final = "final-step accuracy" if shown is ACCURACY else f"final-step {shown.metric.name}"
+    lines = [f"{summary.label}: mean {shown.phrase} ({shown.symbol}) over {over}, pooled over seeds", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for norm, row in summary.table.iterrows():
         lines.append("| " + " | ".join([norm, *(pct(v) for v in row)]) + " |")
-    lines += ["", "Per cell: mean and std across seeds of each run's windowed mean, seeds, final-step accuracy", "",
-              "| norm | regime | " + "".join(f"{k} | " for k in summary.design.per_cell)
-              + "mean % | std % | seeds | final % |", "|---|---|---|---|---|---|" + "---|" * len(summary.design.per_cell)]
+    s = shown.symbol
+    lines += ["", f"Per cell: mean and std across seeds of each run's windowed mean, seeds, {final}", "",
+              f"| {rows} | regime | " + "".join(f"{k} | " for k in summary.design.per_cell)
+              + f"mean {s} | std {s} | seeds | final {s} |", "|---|---|---|---|---|---|" + "---|" * len(summary.design.per_cell)]
     for (norm, regime), c in summary.cells.iterrows():
         tuned = "".join(f"{c[k]:.3g} | " for k in summary.design.per_cell)
         lines.append(f"| {norm} | {regime} | {tuned}{pct(c['mean'])} | {pct(c['std'])} | {int(c.seeds)} | "
                      f"{pct(c.final_acc)} |")
     if not summary.paired.empty:
         design = summary.design
-        lines += ["", f"Paired (same seed) difference to {design.reference}, percentage points, 95% t-interval; "
-                  f"verdict at a margin of ±{design.margin:g} points (equivalent: TOST inside the margin at 5%; "
+        lines += ["", f"Paired (same seed) difference to {design.reference}, {shown.diff_unit}, 95% t-interval; "
+                  f"verdict at a margin of ±{design.margin:g} {shown.unit} (equivalent: TOST inside the margin at 5%; "
                   "worse/better: the interval excludes 0; inconclusive: neither, with the seeds that would settle "
                   "it if the spread held)", "",
-                  f"| norm | regime | diff | 95% CI | std GA / {design.reference} | pairs | verdict (±{design.margin:g}) |",
+                  f"| {rows} | regime | diff | 95% CI | std GA / {design.reference} | pairs | verdict (±{design.margin:g}) |",
                   "|---|---|---|---|---|---|---|"]
         for p in summary.paired.itertuples():
-            ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
-            sds = "n/a" if pd.isna(p.sd_a) else f"{100 * p.sd_a:.2f} / {100 * p.sd_b:.2f}"
-            lines.append(f"| {p.norm} | {p.regime} | {100 * p.diff:+.2f} | {ci} | {sds} | {p.pairs} | "
+            ci = "n/a" if pd.isna(p.ci_low) else f"[{signed(p.ci_low)}, {signed(p.ci_high)}]"
+            sds = "n/a" if pd.isna(p.sd_a) else f"{pct(p.sd_a)} / {pct(p.sd_b)}"
+            lines.append(f"| {p.norm} | {p.regime} | {signed(p.diff)} | {ci} | {sds} | {p.pairs} | "
                          f"{verdict_text(p.verdict, p.seeds_needed)} |")
     if not summary.twins.empty:
         margin = summary.design.margin
         lines += ["", "Data-parallel cells against their accumulation twins (b, w*k: the same samples in every step), "
-                  "paired (same seed), percentage points, 95% t-interval; normalization batch (b per replica, w*b "
-                  f"synchronized) and optimization batch (w*b*k); verdict at ±{margin:g} points", "",
-                  f"| norm | regime | twin | norm batch | opt batch | diff | 95% CI | pairs | verdict (±{margin:g}) |",
+                  f"paired (same seed), {shown.diff_unit}, 95% t-interval; normalization batch (b per replica, w*b "
+                  f"synchronized) and optimization batch (w*b*k); verdict at ±{margin:g} {shown.unit}", "",
+                  f"| {rows} | regime | twin | norm batch | opt batch | diff | 95% CI | pairs | verdict (±{margin:g}) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for p in summary.twins.itertuples():
-            ci = "n/a" if pd.isna(p.ci_low) else f"[{100 * p.ci_low:+.2f}, {100 * p.ci_high:+.2f}]"
-            lines.append(f"| {p.norm} | {p.regime} | {p.twin} | {p.norm_batch} | {p.opt_batch} | {100 * p.diff:+.2f} | "
+            ci = "n/a" if pd.isna(p.ci_low) else f"[{signed(p.ci_low)}, {signed(p.ci_high)}]"
+            lines.append(f"| {p.norm} | {p.regime} | {p.twin} | {p.norm_batch} | {p.opt_batch} | {signed(p.diff)} | "
                          f"{ci} | {p.pairs} | {verdict_text(p.verdict, p.seeds_needed)} |")
     if len(summary.ranking) > 1:
-        lines += ["", format_ranking(summary.ranking, summary.design)]
+        lines += ["", format_ranking(summary.ranking, summary.design, shown)]
     if summary.missing:
         lines += ["", "Missing cells: " + "; ".join(summary.missing)]
     if summary.engines:
@@ -110,30 +119,31 @@ def format_table(summary: Summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_ranking(ranking: pd.DataFrame, design: AnalysisConfig) -> str:
-    """The ranking on the ranked regime as Markdown: mean, then each paired difference with its interval."""
+def format_ranking(ranking: pd.DataFrame, design: AnalysisConfig, shown: Headline = ACCURACY) -> str:
+    """The ranking on the ranked regime as Markdown: mean, then each paired difference with its interval, in the
+    headline's unit (`shown`)."""
     def diff(row: pd.Series, name: str) -> str:
         mean, low, high = row[f"vs {name}"], row[f"vs {name} low"], row[f"vs {name} high"]
         if row[f"vs {name} verdict"] == "baseline":
             return "0 (baseline)"
         if pd.isna(mean):
             return "–"
-        return f"{100 * mean:+.2f}" + ("" if pd.isna(low) else f" [{100 * low:+.2f}, {100 * high:+.2f}]")
+        return shown.show(mean, True) + ("" if pd.isna(low) else f" [{shown.show(low, True)}, {shown.show(high, True)}]")
 
     def verdict(row: pd.Series, name: str) -> str:
         found = row[f"vs {name} verdict"]
         return "" if found == "baseline" else verdict_text(found, row[f"vs {name} seeds_needed"])
 
     names, regime = list(design.baselines), design.ranked_regime
-    lines = [f"Ranking on {regime}: mean valid accuracy % and its std across seeds, and the paired (same seed) "
-             f"difference in points to each baseline with its 95% t-interval and verdict at a margin of "
-             f"±{design.margin:g} points", "",
-             "| rank | norm | " + regime + " % | std | seeds | "
+    lines = [f"Ranking on {regime}: mean {shown.phrase} {shown.symbol} and its std across seeds, and the paired (same "
+             f"seed) difference in {shown.unit} to each baseline with its 95% t-interval and verdict at a margin of "
+             f"±{design.margin:g} {shown.unit}", "",
+             f"| rank | {rows_label(design)} | " + regime + f" {shown.symbol} | std | seeds | "
              + " | ".join(f"vs {n} | verdict (±{design.margin:g})" for n in names) + " |",
              "|" + "---|" * (5 + 2 * len(names))]
     for _, row in ranking.iterrows():
-        lines.append(f"| {row['rank']} | {row.norm} | {100 * row['mean']:.2f} | "
-                     + ("n/a" if pd.isna(row.sd) else f"{100 * row.sd:.2f}") + f" | {row.seeds} | "
+        lines.append(f"| {row['rank']} | {row.norm} | {shown.show(row['mean'])} | "
+                     + ("n/a" if pd.isna(row.sd) else shown.show(row.sd)) + f" | {row.seeds} | "
                      + " | ".join(f"{diff(row, n)} | {verdict(row, n)}" for n in names) + " |")
     return "\n".join(lines)
 

@@ -336,7 +336,7 @@ class DataConfig(Checked):
         require("data.sources", list(self.sources), set(self.sources) <= set(offered),
                 f"a list of {', '.join(offered)} (the sources of data={self.dataset})")
         needed = {"idx": ("torchvision", "files", "num_train"), "torchvision": ("torchvision",), "folder": ("path",),
-                  "custom": ("target",), "text": ("context",)}[self.kind]
+                  "custom": ("target",), "text": ("context",) if self.debian else ("context", "path")}[self.kind]
         for name in needed:
             if getattr(self, name) is None:
                 helps = {f.name: f.metadata["help"] for f in dataclasses.fields(self)}
@@ -447,8 +447,11 @@ class AnalysisConfig(Checked):
                                     "declared in (gaexp/norms.py)")
     regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
     per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
-    margin: float = key(0.5, "equivalence margin in accuracy points: a paired difference shown (TOST, 5%) to lie "
-                             "within +-margin is `equivalent`", valid=(lambda v: 0 < v < 100, "a number in (0, 100)"))
+    rows: str = key("norm", "what the report's rows are: norm, or task.loss (the language-model study: its loss "
+                            "normalizations side by side)", valid=one_of("norm", "task.loss"))
+    margin: float = key(0.5, "equivalence margin in the headline's unit (accuracy points; nats for a language model): "
+                             "a paired difference shown (TOST, 5%) to lie within +-margin is `equivalent`",
+                        valid=(lambda v: 0 < v < 100, "a number in (0, 100)"))
     plots: bool = key(True, "the sweep's report draws the learning curves, PNG and PDF (seconds a report); false: its "
                             "tables only, as gaexp-report --no-plots")
     objective: str = key("window", "what an Optuna trial returns: window (the mean valid accuracy over the "

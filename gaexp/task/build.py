@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gaexp.config import TaskConfig
-from gaexp.task import CLASSIFY, HEADLINES, LM, Task
+from gaexp.config import Config, TaskConfig
+from gaexp.task import CLASSIFY, HEADLINES, LM, STEP, Task
 from gaexp.task.classify import Classify
 from gaexp.task.lm import LanguageModel
 
@@ -15,3 +15,21 @@ def make(config: TaskConfig) -> Task:
     if config.name == LM:
         return LanguageModel(config.loss)
     raise ValueError(f"task.name={config.name!r}; valid: {', '.join(HEADLINES)}")
+
+
+def problem(c: Config) -> str | None:
+    """Why a cell's task cannot train on its data or its replicas, in one line, or None: a language model needs
+    text (data.kind=text) and classification images; a loss divided by the step's count is refused across
+    replicas, where DDP averages the replicas' gradients, each divided by its own count."""
+    text = c.data.kind == "text"
+    if c.task.name == LM and not text:
+        return (f"task=lm trains on text, and data={c.data.dataset} is images (data.kind={c.data.kind}); valid: "
+                "data=fortunes, or data.kind=text with data.path=a folder of text files (docs/data.md)")
+    if c.task.name == CLASSIFY and text:
+        return (f"data={c.data.dataset} is text (data.kind=text), and task=classify classifies images; valid: "
+                f"task=lm model=gpt norm=ln with data={c.data.dataset}")
+    if make(c.task).normalization == STEP and c.regime.replicas > 1:
+        return (f"task.loss={c.task.loss} divides by the step's token count, and under regime.replicas="
+                f"{c.regime.replicas} each replica's gradient would be divided by its own count before DDP averages "
+                "them; valid: regime.replicas=1, or task.loss=seq_mean")
+    return None

@@ -30,8 +30,9 @@ LOSSES = {"token_mean": MICRO, "step_token_mean": STEP, "seq_mean": MICRO}
 
 
 def token_losses(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each position's loss, float32 [B, T] (0 where the target is IGNORE)."""
-    return F.cross_entropy(outputs.float().transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
+    """Each position's loss [B, T] (0 where the target is IGNORE), in float32 or wider (float64 stays)."""
+    wide = outputs if outputs.dtype in (torch.float32, torch.float64) else outputs.float()
+    return F.cross_entropy(wide.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
 
 
 class LanguageModel(Task):
