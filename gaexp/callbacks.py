@@ -59,7 +59,7 @@ def prepare(cfg: DictConfig) -> str:
             raise ValueError(str(e.__cause__ or e).splitlines()[0]) from None
     if is_search(cfg):  # before any trial
         trial.require_objective(c.train.num_iterations, c.analysis)
-        trial.check_direction(cfg.hydra.sweeper.direction)
+        trial.check_direction(cfg.hydra.sweeper.direction, c.task.name)
     tracking.check_server(c.mlflow.tracking_uri)
     fetch(c.data)  # files and their MD5s, a download: ready before any job
     train, _ = splits(open_dataset(c.data), c.data.holdout)  # checked whole before anything is made
@@ -292,5 +292,5 @@ class StudiesCallback(Callback):
         experiment_id = tracking.experiment_id(client, config.mlflow.experiment_name)
         storage = OmegaConf.select(config, "hydra.sweeper.storage")  # the results file has it masked
         for name in tuning.report_studies(client, experiment_id, results, OmegaConf.to_object(config.analysis),
-                                          storage):
+                                          storage, OmegaConf.select(config, "task.name", default="classify")):
             log.info("study %s: parent run study-%s", name, name)

@@ -402,7 +402,7 @@ def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
     if c.optuna.study is None:
         return points[-1][1]
     value = trial.objective(points, c.analysis)
-    log.info("%s: objective %.4f (%s)", c.run_name, value, trial.describe_objective(c.analysis))
+    log.info("%s: objective %.4f (%s)", c.run_name, value, trial.describe_objective(c.analysis, c.task.name))
     return value
 
 

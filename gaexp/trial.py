@@ -15,6 +15,7 @@ from hydra_plugins.gaexp_optuna_sweeper.trials import open_trial, report
 
 from gaexp.config import AnalysisConfig, OptunaTrialConfig
 from gaexp.hooks import EvalPoint, Hook, Stopped
+from gaexp.task import CLASSIFY, headline_of
 
 
 class ReportToTrial(Hook):
@@ -49,16 +50,21 @@ def require_objective(num_iterations: int, design: AnalysisConfig) -> None:
                          "value; lower analysis.window_start or set analysis.objective=final")
 
 
-def check_direction(direction: str) -> None:
-    """A trial returns an accuracy: the search maximizes it. The Optuna sweeper's default direction, as the
-    official plugin's, is minimize, which would find the worst learning rate."""
-    if direction != "maximize":
-        raise ValueError(f"hydra.sweeper.direction={direction}: a gaexp trial returns a validation accuracy "
-                         "(analysis.objective); valid: hydra.sweeper.direction=maximize")
+def check_direction(direction: str, task: str = CLASSIFY) -> None:
+    """A trial returns its task's headline (gaexp/task/): the search maximizes an accuracy and minimizes a language
+    model's loss. The Optuna sweeper's default direction, as the official plugin's, is minimize, which for an
+    accuracy would find the worst learning rate."""
+    shown = headline_of(task)
+    wanted = "maximize" if shown.higher_is_better else "minimize"
+    if direction != wanted:
+        what = "a validation accuracy" if shown.higher_is_better else f"a validation loss ({shown.metric.name})"
+        raise ValueError(f"hydra.sweeper.direction={direction}: a gaexp trial of task={task} returns {what} "
+                         f"(analysis.objective); valid: hydra.sweeper.direction={wanted}")
 
 
-def describe_objective(design: AnalysisConfig) -> str:
+def describe_objective(design: AnalysisConfig, task: str = CLASSIFY) -> str:
     """The objective in words, as the study's parent run records it."""
+    name = headline_of(task).metric.name
     if design.objective == "final":
-        return "final: valid_acc at the last evaluation"
-    return f"window: mean valid_acc over the evaluations at step > {design.window_start} (the report's metric)"
+        return f"final: {name} at the last evaluation"
+    return f"window: mean {name} over the evaluations at step > {design.window_start} (the report's metric)"

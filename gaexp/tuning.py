@@ -38,7 +38,7 @@ from gaexp.trial import describe_objective  # noqa: E402
 
 
 def report_studies(client: MlflowClient, experiment_id: str, results: Path, design: AnalysisConfig,
-                   storage: str | None = None) -> list[str]:
+                   storage: str | None = None, task: str = "classify") -> list[str]:
     """After a tuning sweep: one parent run per study (found again on later sweeps) carrying the best
     value and params, as metrics stepped by the trial count, the objective (tag `objective`), and
     Optuna's plots; its trials' runs become its children. `results`: the sweeper's
@@ -55,7 +55,7 @@ def report_studies(client: MlflowClient, experiment_id: str, results: Path, desi
             tags={ROLE: STUDY_ROLE, OPTUNA_STUDY: name, OPTUNA_STORAGE: mask(storage)}).info.run_id
         trials = len(study.trials)
         client.set_tag(parent, OPTUNA_STATES, ", ".join(f"{k} {v}" for k, v in outcome.states.items()))
-        client.set_tag(parent, OBJECTIVE, describe_objective(design))
+        client.set_tag(parent, OBJECTIVE, describe_objective(design, task))
         if outcome.best is not None:
             metrics = {BEST_VALUE.name: float(outcome.best.value), BEST_TRIAL.name: float(outcome.best.trial)}
             metrics |= {f"{BEST}{k}": float(v) for k, v in outcome.best.params.items() if isinstance(v, (int, float))}

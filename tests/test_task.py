@@ -124,3 +124,18 @@ def test_the_evaluation_weighs_every_token_the_same_in_batches_of_any_size():
     assert list(whole) == ["valid_loss", "valid_ppl"] and whole["valid_ppl"] == pytest.approx(torch.exp(expected).item())
     assert (task.headline.metric.name, task.headline.higher_is_better) == ("valid_loss", False)
     assert (Classify().headline.metric.name, Classify().headline.higher_is_better) == ("valid_acc", True)
+
+
+def test_a_search_maximizes_an_accuracy_and_minimizes_a_language_models_loss():
+    from gaexp.trial import check_direction, describe_objective
+    from gaexp.config import AnalysisConfig
+    check_direction("maximize")
+    check_direction("minimize", "lm")
+    with pytest.raises(ValueError, match=r"^hydra.sweeper.direction=maximize: a gaexp trial of task=lm returns a "
+                                         r"validation loss \(valid_loss\) \(analysis.objective\); valid: "
+                                         r"hydra.sweeper.direction=minimize$"):
+        check_direction("maximize", "lm")
+    with pytest.raises(ValueError, match=r"valid: hydra.sweeper.direction=maximize$"):
+        check_direction("minimize")
+    assert describe_objective(AnalysisConfig(window_start=9), "lm") == (
+        "window: mean valid_loss over the evaluations at step > 9 (the report's metric)")
