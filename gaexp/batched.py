@@ -119,5 +119,6 @@ def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[Draw], n
         outputs = model(inputs)
         loss = (task.chunked_loss(outputs, targets, num_accum) if task.normalization == MICRO
                 else task.loss(outputs, targets) / task.count(targets))
-    precision.backward(loss)
+        extra = task.chunked_extra(targets, num_accum)  # an MoE's balancing loss over the k micro-batches
+    precision.backward(loss if extra is None else loss + extra)
     return loss.detach()

@@ -142,6 +142,7 @@ def validate(cfg: DictConfig) -> tuple[Config, engine.Choice]:
         raise ValueError(problem)
     shape, num_classes = describe(c.data)
     model = check_model(c, shape, num_classes)
+    make_task(c.task).attach(model)  # what its loss reads of the model is there (an MoE's router for task.balance)
     device = resolve_device(c.device)
     require("device_type", c.device_type, c.device_type == device.type,
             f"{device.type}, what device={c.device} is here (leave device_type to the run)")

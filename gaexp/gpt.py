@@ -3,8 +3,10 @@ embeddings, `layers` pre-norm blocks of causal self-attention and an MLP, a fina
 token embedding. Built as gaexp's model builders are (`norm_layer`, `in_channels`, `num_classes`: here the
 vocabulary), for `model=gpt` with `task=lm`.
 
+`gpt_moe` replaces each block's MLP by a mixture of experts with a router (`MoE`), for the balancing study.
+
 Every layer computes each sequence from that sequence alone (causal attention within a sequence, per-token
-norms), so accumulate=batched computes the loop's step (gaexp/batched.py). The norm is each token's: norm=ln is
+norms, routing per token without capacity), so accumulate=batched computes the loop's step (gaexp/batched.py). The norm is each token's: norm=ln is
 LayerNorm over a token's features (ln's GroupNorm(1, C) on a token's C features), norm=none none; a norm over the
 batch is refused in one line.
 """
@@ -45,12 +47,43 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
+def mlp(width: int, hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+
+class MoE(nn.Module):
+    """A mixture of `experts` MLPs, each of 4 * width / experts hidden units (the dense MLP's compute and parameters
+    split among them, as fine-grained experts): a linear router's softmax picks each token's `top_k` experts, whose outputs are
+    summed with their probabilities renormalized over the chosen. No capacity limit drops a token, so a token's
+    output depends on that token alone (every expert runs densely on every token: small experts on a CPU).
+    `routing` keeps the last forward's (router probabilities, chosen experts as 0/1), float32 [B, T, experts]
+    each: what a balancing loss reads (gaexp/task/lm.py)."""
+
+    def __init__(self, width: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"model=gpt_moe: top_k {top_k}; valid: 1 to its {experts} experts")
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(mlp(width, max(1, 4 * width // experts)) for _ in range(experts))
+        self.top_k = top_k
+        self.routing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, chosen, weights / weights.sum(-1, keepdim=True))
+        self.routing = (probs, torch.zeros_like(probs).scatter(-1, chosen, 1.0))
+        return sum(gates[..., i:i + 1].to(x.dtype) * expert(x) for i, expert in enumerate(self.experts))
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, norm_layer: Callable[[int], nn.Module]) -> None:
+    def __init__(self, width: int, heads: int, norm_layer: Callable[[int], nn.Module], experts: int = 0,
+                 top_k: int = 2) -> None:
         super().__init__()
         self.norm1, self.attn = token_norm(norm_layer, width), CausalSelfAttention(width, heads)
         self.norm2 = token_norm(norm_layer, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = MoE(width, experts, top_k) if experts else mlp(width, 4 * width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -59,11 +92,11 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab: int, context: int, layers: int, width: int, heads: int,
-                 norm_layer: Callable[[int], nn.Module]) -> None:
+                 norm_layer: Callable[[int], nn.Module], experts: int = 0, top_k: int = 2) -> None:
         super().__init__()
         self.context = context
         self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(context, width)
-        self.blocks = nn.Sequential(*(Block(width, heads, norm_layer) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(Block(width, heads, norm_layer, experts, top_k) for _ in range(layers)))
         self.norm = token_norm(norm_layer, width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tokens.weight  # tied, as GPT-2's
@@ -88,3 +121,10 @@ def gpt(norm_layer: Callable[[int], nn.Module], in_channels: int, num_classes: i
     """The model of conf/model/gpt.yaml: `num_classes` is the vocabulary (256 bytes for text data);
     `in_channels` is 1 for text and unused."""
     return GPT(num_classes, context, layers, width, heads, norm_layer)
+
+
+def gpt_moe(norm_layer: Callable[[int], nn.Module], in_channels: int, num_classes: int, context: int = 256,
+            layers: int = 2, width: int = 64, heads: int = 4, experts: int = 4, top_k: int = 2) -> GPT:
+    """The model of conf/model/gpt_moe.yaml: `gpt` with each block's MLP a mixture of `experts` (`MoE`), `top_k`
+    of them per token."""
+    return GPT(num_classes, context, layers, width, heads, norm_layer, experts, top_k)

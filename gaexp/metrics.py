@@ -25,6 +25,11 @@ VALID_ACC = Metric("valid_acc", EVALUATION, "accuracy on the whole validation sp
 VALID_LOSS = Metric("valid_loss", EVALUATION, "language model: mean loss per predicted token over the whole "
                                               "validation split, in nats")
 VALID_PPL = Metric("valid_ppl", EVALUATION, "language model: perplexity, exp(valid_loss)")
+EXPERT_LOAD_MAX = Metric("expert_load_max", EVALUATION, "mixture of experts: the busiest expert's share of the "
+                                                        "validation tokens' routings times the experts (1: even), "
+                                                        "the mean over the MoE layers")
+EXPERT_LOAD_CV = Metric("expert_load_cv", EVALUATION, "mixture of experts: the spread of the experts' shares "
+                                                      "(std / mean), the mean over the MoE layers")
 TRAIN_LOSS = Metric("train_loss", EVALUATION, "mean unscaled training loss over the last train.loss_window steps")
 FINAL_VALID_ACC = Metric("final_valid_acc", RESULT, "valid_acc at the last evaluation")
 BEST_VALID_ACC = Metric("best_valid_acc", RESULT, "the highest valid_acc of the run")
@@ -51,7 +56,7 @@ BEST_TRIAL = Metric("best_trial", STUDY, "the best trial's number")
 TRIAL_VALUE = Metric("value", TRIAL, "the trial's value: the mean of its repeats' values")
 SEARCH_METRICS = (BEST_VALUE, BEST_TRIAL, TRIAL_VALUE)
 
-METRICS = (VALID_ACC, VALID_LOSS, VALID_PPL, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, FINAL_VALID_LOSS,
+METRICS = (VALID_ACC, VALID_LOSS, VALID_PPL, EXPERT_LOAD_MAX, EXPERT_LOAD_CV, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, FINAL_VALID_LOSS,
            BEST_VALID_LOSS, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
            SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB,
            LOSS_SCALE, SKIPPED_STEPS)

@@ -99,7 +99,8 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     """Forward and backward `num_accum` micro-batches under `precision` (default fp32: its autocast, its loss scale,
     its sum in `.grad` or a float32 buffer; the loss in float32), each loss normalized as `task` declares
     (gaexp/task/): a micro-batch's mean scaled by 1/k, or a sum divided by the step's count of items, counted over
-    the step's k micro-batches before the first backward.
+    the step's k micro-batches before the first backward, plus any term of its own (`extra`: an MoE's balancing
+    loss, with a pass over the step first where it needs one, `begin_step`).
 
     Gradients add up; returns the step's loss (the mean of the micro-batches' means, or the step's sum over its
     count) as a device tensor (no host synchronization).
@@ -107,13 +108,17 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     precision = precision or Precision.float32()
     draws = [next(batches) for _ in range(num_accum)]
     count = None if task.normalization == MICRO else sum(task.count(data.batch(d)[1]) for d in draws)
+    with torch.no_grad(), precision.forward():
+        task.begin_step(model, [data.batch(d) for d in draws])  # what the loss needs of the whole step (if any)
     total = torch.zeros((), device=data.labels.device)
     for j, draw in enumerate(draws):
         with summing_locally(model, last=j == num_accum - 1):  # under DDP: one all-reduce per step
             inputs, targets = data.batch(draw)
             with precision.forward():
                 loss = task.loss(model(inputs), targets)
-            precision.backward(loss / num_accum if count is None else loss / count)
+                extra = task.extra(targets, j, num_accum)  # an MoE's balancing term, normalized by the task
+            share = loss / num_accum if count is None else loss / count
+            precision.backward(share if extra is None else share + extra)
         total += loss.detach()
     return total / num_accum if count is None else total / count
 
@@ -167,6 +172,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     precision = plan.precision or Precision.float32()
     precision.prepare(model)
+    task.attach(model)
     gradient = step_function(plan.engine, model, regime.batch_size)
     batches = micro_batches(len(train_data), regime.batch_size, plan.seed, train_data.augment, train_data.labels.device)
     if plan.replicas is not None:

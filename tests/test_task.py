@@ -139,3 +139,77 @@ def test_a_search_maximizes_an_accuracy_and_minimizes_a_language_models_loss():
         check_direction("minimize")
     assert describe_objective(AnalysisConfig(window_start=9), "lm") == (
         "window: mean valid_loss over the evaluations at step > 9 (the report's metric)")
+
+
+def moe() -> torch.nn.Module:
+    from gaexp.gpt import gpt_moe
+    torch.manual_seed(0)
+    return gpt_moe(norm_layer("ln"), 1, 256, context=CONTEXT, layers=2, width=16, heads=2, experts=4, top_k=2).double()
+
+
+def moe_gradient(step, data: TextSplit, b: int, k: int, task) -> torch.Tensor:
+    net = moe()
+    task.attach(net)
+    step_fn = functools.partial(step, chunking=Chunking(net, b)) if step is accumulate_batched else step
+    step_fn(net, data, micro_batches(len(data), b, SEED), k, None, task)
+    return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+
+def balancing(balance: str) -> LanguageModel:
+    return LanguageModel("step_token_mean", balance, coef=1.0)  # a large coefficient: the balance's part shows
+
+
+@pytest.mark.parametrize("step", [accumulate, accumulate_batched], ids=["loop", "batched"])
+def test_the_global_balance_at_b_k_is_the_big_batchs_and_the_micro_balance_is_not(step):
+    data = corpus()
+    big = moe_gradient(accumulate, data, 16, 1, balancing("global"))
+    assert close(moe_gradient(accumulate, data, 16, 1, balancing("micro")), big)  # one micro-batch: one balance
+    without = moe_gradient(accumulate, data, 16, 1, LanguageModel("step_token_mean"))
+    assert (big - without).norm() > 1e-3 * big.norm()  # the balancing loss is in the gradient
+    for b, k in ((4, 4), (2, 8)):
+        assert close(moe_gradient(step, data, b, k, balancing("global")), big), (b, k)
+        micro = moe_gradient(step, data, b, k, balancing("micro"))
+        assert (micro - big).norm() > 1e-4 * big.norm(), (b, k)  # each micro-batch balanced: not the step
+
+
+@pytest.mark.parametrize("balance", ["micro", "running"])
+def test_the_batched_engine_balances_as_the_loop_does(balance):
+    data = corpus()
+    loop = moe_gradient(accumulate, data, 4, 4, balancing(balance))
+    assert close(moe_gradient(accumulate_batched, data, 4, 4, balancing(balance)), loop)
+    other = "running" if balance == "micro" else "micro"
+    assert (moe_gradient(accumulate, data, 4, 4, balancing(other)) - loop).norm() > 1e-6 * loop.norm()
+
+
+def test_the_micro_balance_is_each_micro_batchs_own_switch_loss_by_hand():
+    """N * sum_i f_i * P_i over a micro-batch's predicted tokens, f_i the fraction of its routings to expert i and
+    P_i its mean router probability, averaged over the MoE layers and the k micro-batches."""
+    data, task = corpus(), balancing("micro")
+    net = moe()
+    task.attach(net)
+    draws = micro_batches(len(data), 4, SEED)
+    total = 0.0
+    for _ in range(4):
+        x, y = data.batch(next(draws))
+        net(x)
+        mask = (y != IGNORE)
+        terms = []
+        for layer in task.routers:
+            probs, chosen = (t[mask] for t in layer.routing)  # [tokens, experts]
+            terms.append(4 * ((chosen.mean(0) / 2) * probs.mean(0)).sum())
+        total = total + torch.stack(terms).mean() / 4
+    net2 = moe()
+    task.attach(net2)
+    draws = micro_batches(len(data), 4, SEED)
+    got = 0.0
+    for j in range(4):
+        x, y = data.batch(next(draws))
+        net2(x)
+        got = got + task.extra(y, j, 4)
+    assert abs(got - total) <= 1e-12 * total
+
+
+def test_a_balance_without_experts_is_one_line():
+    with pytest.raises(ValueError, match=r"^task.balance=global balances a mixture of experts' router, and the model "
+                                         r"has none; valid: model=gpt_moe, or task.balance=none$"):
+        LanguageModel("step_token_mean", "global").attach(model())

@@ -406,7 +406,7 @@ def test_what_a_run_logs_is_what_the_metrics_declare(tmp_path):
     for name in logged:
         steps = [m.step for m in client.get_metric_history(run_id, name)]
         assert steps == ([2, 4] if declared[name].per == metrics.EVALUATION else [4]), name
-    assert metrics.HISTORIES == ("valid_acc", "valid_loss", "valid_ppl", "train_loss")
+    assert metrics.HISTORIES == ("valid_acc", "valid_loss", "valid_ppl", "expert_load_max", "expert_load_cv", "train_loss")
     assert {"valid_acc", "train_loss"} == {*history[0].valid, "train_loss"}  # what an image run logs of them
 
 

@@ -348,6 +348,7 @@ class DataConfig(Checked):
 
 TASKS = ("classify", "lm")  # what a model is trained to do (gaexp/task/)
 TASK_LOSSES = {"classify": ("cross_entropy",), "lm": ("token_mean", "step_token_mean", "seq_mean")}
+BALANCES = ("none", "micro", "global", "running")  # an MoE's balancing loss, how its token fractions are counted
 
 
 @dataclass
@@ -361,11 +362,19 @@ class TaskConfig(Checked):
     loss: str = key("cross_entropy", "lm: token_mean (each micro-batch's mean over its tokens), step_token_mean (the "
                                      "step's token count), seq_mean (each sequence's mean, averaged); classify: "
                                      "cross_entropy", was="cross_entropy")
+    balance: str = key("none", "lm with a mixture of experts (model=gpt_moe): its load-balancing loss's token fractions "
+                               "counted per micro-batch (micro), over the step (global, exact under accumulation), "
+                               "or over the step's micro-batches so far (running, Megatron's); none: no balancing loss",
+                       was="none", valid=one_of(*BALANCES))
+    balance_coef: float = key(0.01, "the balancing loss's coefficient (Switch Transformer's alpha)", was=0.01,
+                              valid=number(0, open_low=True))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         valid = TASK_LOSSES.get(self.name, ())
         require("task.loss", self.loss, self.loss in valid, f"{', '.join(valid)} (for task.name={self.name})")
+        require("task.balance", self.balance, self.balance == "none" or self.name == "lm",
+                "none (a balancing loss is a language model's with a mixture of experts: task=lm model=gpt_moe)")
 
 
 @dataclass
@@ -447,8 +456,9 @@ class AnalysisConfig(Checked):
                                     "declared in (gaexp/norms.py)")
     regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
     per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
-    rows: str = key("norm", "what the report's rows are: norm, or task.loss (the language-model study: its loss "
-                            "normalizations side by side)", valid=one_of("norm", "task.loss"))
+    rows: str = key("norm", "what the report's rows are: norm, task.loss (the language-model study: its loss "
+                            "normalizations side by side) or task.balance (the MoE study: its balances)",
+                    valid=one_of("norm", "task.loss", "task.balance"))
     margin: float = key(0.5, "equivalence margin in the headline's unit (accuracy points; nats for a language model): "
                              "a paired difference shown (TOST, 5%) to lie within +-margin is `equivalent`",
                         valid=(lambda v: 0 < v < 100, "a number in (0, 100)"))
@@ -546,12 +556,13 @@ class Config(Checked):
     @property
     def run_name(self) -> str:
         """bn-bs1a16-s1; another dataset, model, task loss, engine or precision than the first leads:
-        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1, fortunes-gpt-token_mean-ln-bs4a4-s1 (the names of runs recorded before these were a choice stay
+        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1, fortunes-gpt-token_mean-ln-bs4a4-s1, fortunes-gpt_moe-step_token_mean-balance_global-ln-bs4a4-s1 (the names of runs recorded before these were a choice stay
         valid); a trial of an Optuna study adds its number: -t7."""
         engine = ADDED_DEFAULTS["accumulate"] if self.accumulate == AUTO_ENGINE else self.accumulate  # auto: named
         lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),  # by its engine, once
                                            (self.model.name, ADDED_DEFAULTS["model.name"]),  # resolved (gaexp/engine.py)
                                            (self.task.loss, ADDED_DEFAULTS["task.loss"]),
+                                           (f"balance_{self.task.balance}", f"balance_{ADDED_DEFAULTS['task.balance']}"),
                                            (engine, ADDED_DEFAULTS["accumulate"]),
                                            (self.precision.name, FP32)) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"

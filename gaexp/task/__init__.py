@@ -19,7 +19,7 @@ built from its config by gaexp/task/build.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from gaexp.metrics import ACCURACY, TOKEN_LOSS, Headline
 
@@ -52,6 +52,23 @@ class Task:
         """MICRO, from one pass over `parts` equal consecutive micro-batches (the batched engine): the mean of their
         `loss`es. This default is exact where every item of a micro-batch weighs the same (the mean over all)."""
         return self.loss(outputs, targets)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Before training `model` (and when a cell's config is checked): find what the loss reads of the model
+        besides its outputs (an MoE's routing); a model without it is refused in one line (ValueError)."""
+
+    def begin_step(self, forward: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The loop, before a step's first backward, under no_grad and the training's autocast: what the loss needs
+        of the whole step beyond its targets (an MoE's routing counted over the step). The default needs nothing."""
+
+    def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
+        """The loop: a term added to micro-batch `part` of `parts`' normalized loss, already normalized (an MoE's
+        balancing loss), read from that micro-batch's forward; None: none."""
+        return None
+
+    def chunked_extra(self, targets: torch.Tensor, parts: int) -> torch.Tensor | None:
+        """The batched engine: the sum of `extra` over the `parts` micro-batches of one pass."""
+        return None
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         """STEP: the items these targets count, as a tensor (the step's count is the sum over its micro-batches)."""

@@ -13,7 +13,7 @@ def make(config: TaskConfig) -> Task:
     if config.name == CLASSIFY:
         return Classify()
     if config.name == LM:
-        return LanguageModel(config.loss)
+        return LanguageModel(config.loss, config.balance, config.balance_coef)
     raise ValueError(f"task.name={config.name!r}; valid: {', '.join(HEADLINES)}")
 
 
@@ -28,6 +28,10 @@ def problem(c: Config) -> str | None:
     if c.task.name == CLASSIFY and text:
         return (f"data={c.data.dataset} is text (data.kind=text), and task=classify classifies images; valid: "
                 f"task=lm model=gpt norm=ln with data={c.data.dataset}")
+    if c.task.balance in ("global", "running") and c.regime.replicas > 1:
+        return (f"task.balance={c.task.balance} counts the experts' tokens over the step, and under regime.replicas="
+                f"{c.regime.replicas} each replica sees its own share of them; valid: regime.replicas=1, or "
+                "task.balance=micro")
     if make(c.task).normalization == STEP and c.regime.replicas > 1:
         return (f"task.loss={c.task.loss} divides by the step's token count, and under regime.replicas="
                 f"{c.regime.replicas} each replica's gradient would be divided by its own count before DDP averages "

@@ -9,8 +9,19 @@
 - `seq_mean`: each sequence's mean over its tokens, averaged over the sequences (MICRO): every micro-batch counts
   b sequences, so accumulation is exact, but a token of a short sequence weighs more than one of a long sequence.
 
+A mixture of experts (model=gpt_moe) adds a load-balancing loss, coef * N * sum_i f_i * P_i per MoE layer
+(averaged over the layers): f_i the fraction of the tokens' routings that chose expert i (no gradient), P_i the
+mean router probability of expert i, both over the predicted tokens. `task.balance` says over which tokens f_i is
+counted under accumulation:
+- `micro`: each micro-batch's own f and P, their losses averaged (1/k): what per-micro-batch balancing computes;
+- `global`: the step's f (counted by a pass over the step's routing before the first backward, in the loop; the
+  batched engine's one pass has it) times each micro-batch's share of the step's P: the big batch's loss exactly,
+  since P is linear in the tokens and f carries no gradient;
+- `running`: f counted over the step's micro-batches so far (Megatron's running average), with each micro-batch's P.
+
 Targets are the next tokens, with `IGNORE` where there is none (padding).
-Evaluation: `valid_loss`, the mean loss per predicted token over the whole split (nats), and its perplexity.
+Evaluation: `valid_loss`, the mean loss per predicted token over the whole split (nats), and its perplexity; with
+experts, their load: the busiest expert's share times the experts, and the shares' spread.
 """
 
 from __future__ import annotations
@@ -21,12 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from gaexp.data.batches import Split
-from gaexp.metrics import VALID_PPL
+from gaexp.metrics import EXPERT_LOAD_CV, EXPERT_LOAD_MAX, VALID_PPL
 from gaexp.precision import Precision
 from gaexp.task import LM, MICRO, STEP, Task
 
 IGNORE = -100  # a target position with no token to predict (F.cross_entropy's ignore_index)
 LOSSES = {"token_mean": MICRO, "step_token_mean": STEP, "seq_mean": MICRO}
+BALANCES = ("none", "micro", "global", "running")
 
 
 def token_losses(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -38,10 +50,81 @@ def token_losses(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class LanguageModel(Task):
     name = LM
 
-    def __init__(self, loss: str) -> None:
+    def __init__(self, loss: str, balance: str = "none", coef: float = 0.01) -> None:
         if loss not in LOSSES:
             raise ValueError(f"task.loss={loss!r}; valid for task=lm: {', '.join(LOSSES)}")
+        if balance not in BALANCES:
+            raise ValueError(f"task.balance={balance!r}; valid: {', '.join(BALANCES)}")
         self.choice, self.normalization = loss, LOSSES[loss]
+        self.balance, self.coef = balance, coef
+        self.routers: list[torch.nn.Module] = []
+        self.step_fractions: list[torch.Tensor] = []  # global: each layer's f over the step (`begin_step`)
+        self.step_tokens = torch.zeros(())
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # running: each layer's counts and tokens so far
+
+    def attach(self, model: torch.nn.Module) -> None:
+        self.routers = [m for m in model.modules() if hasattr(m, "routing") and hasattr(m, "top_k")]
+        if self.balance != "none" and not self.routers:
+            raise ValueError(f"task.balance={self.balance} balances a mixture of experts' router, and the model has "
+                             "none; valid: model=gpt_moe, or task.balance=none")
+
+    def routing(self, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each MoE layer's last forward over these targets' sequences: (summed router probabilities, summed 0/1
+        choices), [B, experts] each, over the predicted tokens only."""
+        mask = (targets != IGNORE).unsqueeze(-1)
+        found = []
+        for layer in self.routers:
+            probs, chosen = layer.routing
+            found.append(((probs * mask).sum(1), (chosen * mask).sum(1) / layer.top_k))
+        return found
+
+    def begin_step(self, forward: torch.nn.Module, batches) -> None:
+        if self.balance == "global":
+            counts, tokens = None, 0
+            for inputs, targets in batches:
+                forward(inputs)
+                found = [c.sum(0) for _, c in self.routing(targets)]
+                counts = found if counts is None else [a + b for a, b in zip(counts, found)]
+                tokens = tokens + self.count(targets)
+            self.step_fractions, self.step_tokens = [c / tokens for c in counts], tokens
+        self.seen = []
+
+    def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
+        if self.balance == "none":
+            return None
+        found, n = [(p.sum(0), c.sum(0)) for p, c in self.routing(targets)], self.count(targets)
+        if part == 0:
+            self.seen = []
+        self.seen.append((torch.stack([c for _, c in found]), n))
+        chosen_so_far, tokens_so_far = sum(c for c, _ in self.seen), sum(t for _, t in self.seen)
+        terms = []
+        for layer, (probs, chosen) in enumerate(found):  # [experts] each, summed over the micro-batch's tokens
+            experts = probs.shape[-1]
+            if self.balance == "global":  # the step's fractions times this micro-batch's share of the step's P
+                terms.append(experts * (self.step_fractions[layer] * probs).sum() / self.step_tokens)
+                continue
+            fractions = chosen / n if self.balance == "micro" else chosen_so_far[layer] / tokens_so_far
+            terms.append(experts * (fractions * probs / n).sum() / parts)
+        return self.coef * torch.stack(terms).mean()
+
+    def chunked_extra(self, targets: torch.Tensor, parts: int) -> torch.Tensor | None:
+        if self.balance == "none":
+            return None
+        found = self.routing(targets)
+        tokens = (targets != IGNORE).sum(1).view(parts, -1).sum(1)  # each micro-batch's
+        layers = []
+        for i, (p, c) in enumerate(found):
+            probs, chosen = (t.view(parts, -1, t.shape[-1]).sum(1) for t in (p, c))  # [parts, experts]
+            experts = probs.shape[-1]
+            if self.balance == "micro":
+                term = experts * (chosen / tokens[:, None] * probs / tokens[:, None]).sum() / parts
+            elif self.balance == "global":
+                term = experts * (chosen.sum(0) / tokens.sum() * probs.sum(0)).sum() / tokens.sum()
+            else:  # running: the fractions over micro-batches 1..j, with micro-batch j's probabilities
+                seen = chosen.cumsum(0) / tokens.cumsum(0)[:, None]
+                term = experts * (seen * probs / tokens[:, None]).sum() / parts
+            layers.append(term)
+        return self.coef * torch.stack(layers).mean()
 
     def per_sequence(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, predicted tokens) of each sequence, [B] each."""
@@ -85,6 +168,14 @@ class LanguageModel(Task):
             sums, counts = self.per_sequence(outputs, targets)
             total += sums.double().sum()
             tokens += counts.sum()
+            if self.routers:
+                load = [c.sum(0) for _, c in self.routing(targets)]
+                shares = load if start == 0 else [a + b for a, b in zip(shares, load)]
         model.train(was_training)
         loss = total.item() / tokens.item()
-        return {self.headline.metric.name: loss, VALID_PPL.name: math.exp(min(loss, 700.0))}
+        found = {self.headline.metric.name: loss, VALID_PPL.name: math.exp(min(loss, 700.0))}
+        if self.routers:  # each layer's experts' shares of the routings: the busiest times the experts, the spread
+            fractions = [s / s.sum() for s in shares]
+            found[EXPERT_LOAD_MAX.name] = sum(len(f) * f.max().item() for f in fractions) / len(fractions)
+            found[EXPERT_LOAD_CV.name] = sum((f.std(correction=0) / f.mean()).item() for f in fractions) / len(fractions)
+        return found
