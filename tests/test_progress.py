@@ -252,8 +252,8 @@ def test_read_maps_runs_to_cells_and_skipped_runs_count_in_a_later_sweep(store):
     assert {n: c.status for n, c in by_name.items()} == {
         "bn-bs1a16-s1": "FINISHED", "in-bs1a16-s1": "RUNNING", "gn4-bs1a16-s1": "KILLED"}
     running = by_name["in-bs1a16-s1"]
-    assert (running.step, running.steps, running.valid_acc) == (600, 3600, 0.95)
-    assert by_name["bn-bs1a16-s1"].valid_acc == 0.98
+    assert (running.step, running.steps, running.value) == (600, 3600, 0.95)
+    assert by_name["bn-bs1a16-s1"].value == 0.98
     assert running.expected_s == pytest.approx(progress.expected_seconds(1, 16, **PROTOCOL))
     finished = client.search_runs([experiment_id], "attributes.run_name = 'bn-bs1a16-s1'")[0]
     tracking.add_to_sweep(client, finished, "2026-12-01_09-00-00")  # a resume that skipped it

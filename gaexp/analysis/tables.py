@@ -12,7 +12,7 @@ from gaexp.analysis.figures import export_plots
 from gaexp.analysis.stats import Precisions, Summary, memory_table, verdict_text
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
 from gaexp.metrics import ACCURACY, Headline
-from gaexp.tags import NORM, PRECISION, REGIME
+from gaexp.tags import PRECISION, REGIME
 
 
 def format_precisions(p: Precisions) -> str:

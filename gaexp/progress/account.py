@@ -31,10 +31,11 @@ class Cell:
     elapsed_s: float  # so far (running), or start to end
     step: int = 0  # the last evaluated optimizer step
     steps: int = 0
-    valid_acc: float | None = None
+    value: float | None = None  # its headline's latest value (valid_acc; a language model's valid_loss)
     heartbeat_age_s: float | None = None
     new_graphs: float = 0.0  # graph_units of the graphs it was the sweep's first to compile (by start time)
     fresh: int = 0  # 1: the first cell of the sweep its worker process ran
+    headline: str = "valid_acc"  # its name
 
     @property
     def work_s(self) -> float:

@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 def running_lines(cells: Sequence[Cell], stale_after_s: float = 3600) -> list[str]:
     lines = []
     for c in sorted((c for c in cells if c.status == "RUNNING"), key=lambda c: c.name):
-        acc = "-" if c.valid_acc is None else f"{c.valid_acc:.4f}"
+        acc = "-" if c.value is None else f"{c.value:.4f}"
         quiet = (f"  (no heartbeat for {duration(c.heartbeat_age_s)}: its process may be gone)"
                  if c.heartbeat_age_s is not None and c.heartbeat_age_s > stale_after_s else "")
-        lines.append(f"  {c.name:<20} step {c.step:>5}/{c.steps}  valid_acc {acc}  running {duration(c.elapsed_s)}{quiet}")
+        lines.append(f"  {c.name:<20} step {c.step:>5}/{c.steps}  {c.headline} {acc}  running {duration(c.elapsed_s)}{quiet}")
     return lines
 
 
@@ -96,7 +96,7 @@ class Live:
                            key=lambda c: c.name):
             self.seen.add(cell.name)
             if self.tqdm is None:
-                acc = "" if cell.valid_acc is None else f", valid_acc {cell.valid_acc:.4f}"
+                acc = "" if cell.value is None else f", {cell.headline} {cell.value:.4f}"
                 print(f"{cell.name} {cell.status} ({duration(cell.elapsed_s)}{acc}) | {summary_line(snap)}",
                       file=self.out, flush=True)
         return snap

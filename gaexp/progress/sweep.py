@@ -10,7 +10,7 @@ from typing import Sequence
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from gaexp import metrics
+from gaexp.task import CLASSIFY, headline_of
 from gaexp.progress.account import Cell, Plan, plan_costs
 from gaexp.progress.cost import graph_units, run_graphs, run_seconds
 from gaexp.tags import (CELLS, CELLS_AT_ONCE, COSTS, EXPECTED_S, GRAPHS, HEARTBEAT, HOST, PLAN_ROLE, ROLE, SWEEP_ID,
@@ -41,14 +41,15 @@ def cell_of(client: MlflowClient, run: Run, sweep_id: str, now: float, new_graph
     status = "SKIPPED" if in_sweep(tags) != sweep_id and info.status == "FINISHED" else info.status
     end = info.end_time / 1000 if info.end_time else now
     steps = int(params.get("train.num_iterations", 0))
-    step, acc = steps, run.data.metrics.get(metrics.FINAL_VALID_ACC.name)
+    headline = headline_of(params.get("task.name", CLASSIFY)).metric.name  # valid_acc, or a language model's valid_loss
+    step, acc = steps, run.data.metrics.get(f"final_{headline}")
     if status in ("RUNNING", "FAILED", "KILLED"):  # where it is, or stopped: its latest evaluation
-        history = client.get_metric_history(info.run_id, metrics.VALID_ACC.name)
+        history = client.get_metric_history(info.run_id, headline)
         step, acc = (history[-1].step, history[-1].value) if history else (0, None)
     beat = float(tags.get(HEARTBEAT, info.start_time / 1000))
     expected = run_seconds(tags, params) if "train.num_iterations" in params else 0.0
     return Cell(info.run_name, status, expected, max(0.0, end - info.start_time / 1000), step, steps, acc,
-                now - beat, new_graphs, fresh)
+                now - beat, new_graphs, fresh, headline)
 
 
 def cells_of(client: MlflowClient, runs: Sequence[Run], sweep_id: str, now: float) -> list[Cell]:

@@ -161,6 +161,7 @@ class LanguageModel(Task):
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=data.labels.device)
         tokens = torch.zeros((), dtype=torch.long, device=data.labels.device)
+        shares = None  # with experts: each layer's routings per expert over the split
         for start in range(0, len(data), batch_size):
             inputs, targets = data.window(slice(start, start + batch_size))
             with precision.forward():
@@ -170,7 +171,7 @@ class LanguageModel(Task):
             tokens += counts.sum()
             if self.routers:
                 load = [c.sum(0) for _, c in self.routing(targets)]
-                shares = load if start == 0 else [a + b for a, b in zip(shares, load)]
+                shares = load if shares is None else [a + b for a, b in zip(shares, load)]
         model.train(was_training)
         loss = total.item() / tokens.item()
         found = {self.headline.metric.name: loss, VALID_PPL.name: math.exp(min(loss, 700.0))}
