@@ -38,8 +38,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (DataError, ValueError) as e:
         sys.exit(f"error: {e}")
     test = f" + {len(d.test):,} test" if d.test is not None else ""
+    digest = f", digest {d.meta.digest}" if d.meta.digest else ""
+    if data.kind == "text":
+        print(f"{d.meta.name}: {len(d.train):,} sequences of up to {d.meta.shape[-1] - 1} predicted tokens "
+              f"({'packed' if data.packed else 'one per document'}), {d.meta.num_classes} byte values, from "
+              f"{d.meta.source}{digest}")
+        return
     print(f"{d.meta.name}: {len(d.train):,} training{test} images of {'x'.join(map(str, d.meta.shape))}, "
-          f"{d.meta.num_classes} classes, from {d.meta.source}" + (f", digest {d.meta.digest}" if d.meta.digest else ""))
+          f"{d.meta.num_classes} classes, from {d.meta.source}{digest}")
 
 
 if __name__ == "__main__":
