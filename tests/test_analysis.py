@@ -574,3 +574,21 @@ def test_a_precision_at_another_budget_is_shown_not_compared(store):
     compared = analysis.compare_precisions(collect(client, "gaexp").data, STUDY)
     assert compared.note == "fp16 not compared with fp32: num_iterations 300 against 900"
     assert compared.table[compared.table.precision == "fp16"]["diff"].isna().all()
+
+
+def test_a_loss_headline_ranks_lowest_first_and_calls_a_higher_loss_worse():
+    """A language model's headline is a loss (metrics.TOKEN_LOSS): lower is better, so the same paired difference
+    that is `better` for an accuracy is `worse` for it, and the ranking puts the lowest mean first."""
+    from gaexp.metrics import TOKEN_LOSS
+    higher = pd.Series([2.50, 2.61, 2.55], index=[1, 2, 3])
+    lower = higher - pd.Series([0.30, 0.31, 0.29], index=[1, 2, 3])
+    assert analysis.paired_verdict(higher, lower, 0.02)["verdict"] == "better"
+    assert analysis.paired_verdict(higher, lower, 0.02, higher_is_better=False)["verdict"] == "worse"
+    per_run = pd.concat({("token_mean", "bs1a16"): higher, ("step_token_mean", "bs1a16"): lower},
+                        names=["norm", "regime", "seed"])
+    design = AnalysisConfig(ranked_regime="bs1a16", baselines=["step_token_mean/bs1a16"], rows="task.loss", margin=0.02)
+    ranking = analysis.rank(per_run, design, TOKEN_LOSS)
+    assert list(ranking.norm) == ["step_token_mean", "token_mean"]
+    assert ranking.loc[1, "vs step_token_mean/bs1a16 verdict"] == "worse"
+    text = analysis.format_ranking(ranking, design, TOKEN_LOSS)
+    assert "| rank | loss | bs1a16 nats | std | seeds |" in text and "| 2 | token_mean | 2.553 | " in text
