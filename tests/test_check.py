@@ -828,3 +828,33 @@ def test_transformers_and_lightning_are_imported_only_by_the_check_of_a_transfor
              "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+@pytest.mark.parametrize("loss, expected", [("token_mean", UNSAFE), ("step_token_mean", SAFE), ("seq_mean", SAFE)])
+def test_gaexps_language_model_gets_the_verdict_its_losss_arithmetic_implies(loss, expected, tmp_path):
+    """task=lm on a folder of documents of varied length: the token mean per micro-batch is unsafe, with the remedy
+    named as the config's choice and the study's measured effect; the step's count and the per-sequence mean are
+    safe."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(12):
+        (texts / f"doc{i:02}.txt").write_bytes(bytes(range(97, 100 + 5 * i)))
+    status, text = run(["task=lm", "model=gpt", "norm=ln", "data=textfolder", f"data.path={texts}", "data.holdout=2",
+                        "data.context=32", f"task.loss={loss}"])
+    assert status == expected, text
+    assert text.startswith(f"gaexp-check model=gpt task.loss={loss}: data=textfolder's first 8 training sequences")
+    if expected == UNSAFE:
+        assert "the loss normalises each micro-batch by a count of its own" in text
+        assert ("task.loss=step_token_mean: the step's token count (gaexp's language-model study: task.loss=token_mean "
+                "at bs1a16, loss per token 2.185 nats, +0.038 [+0.019, +0.057] nats against the true batch of 16, "
+                "worse at ±0.02") in text
+
+
+def test_the_checks_language_model_evidence_is_the_studys_table():
+    """The figures the check cites are docs/results.md's, as printed by the language-model study's report."""
+    from gaexp.check.evidence import LM_TOKEN_MEAN
+    results = (REPO / "docs" / "results.md").read_text()
+    choice, regime, loss, against, verdict = LM_TOKEN_MEAN
+    diff, ci = against.split(" ", 1)
+    assert f"| {choice} | {regime} | {diff} | {ci} | " in results and f"| {verdict} |" in results
+    assert f"| {choice} | 2.147 | {loss:.3f} | " in results

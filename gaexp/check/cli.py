@@ -45,6 +45,8 @@ from gaexp.data.dataset import describe, open_dataset
 from gaexp.model import ARGUMENTS, check_model, make_model
 from gaexp.precision import device_problem, precision_config
 from gaexp.targets import TargetError
+from gaexp.task import STEP
+from gaexp.task.build import make as make_task, problem as task_problem
 from gaexp.train import resolve_device
 
 SAFE, UNSAFE, BAD_INPUT, NON_FINITE, IMPRECISE = 0, 1, 2, 3, 4
@@ -64,6 +66,7 @@ class Subject:
     precision: PrecisionConfig | None = None  # a gaexp model's precision=, where its overrides name one
     replicas: int = 1  # w data-parallel replicas of micro_batch with num_accum // w steps each (--replicas)
     task: str | None = None  # a transformers task (--task, or hf:PATH's config): its inputs, labels and own loss
+    lm: Any = None  # a gaexp language model's task (task=lm, gaexp/task/lm.py): its text, loss and normalization
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -229,6 +232,10 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
     if args.data != "random" and args.data not in image_names():
         raise CheckError(f"--data {args.data!r}; valid: random, {', '.join(image_names())}")
     problem = unknown_choice(overrides) or composition_problem(overrides)
+    text = any(o.split("=")[0].lstrip("+~") == "task" and o.split("=", 1)[1] == "lm" for o in overrides)
+    if text and args.data != "random":
+        raise CheckError(f"--data {args.data}: task=lm checks on its text data (data=fortunes, or data=textfolder "
+                         "data.path=DIR among the overrides)")
     if problem:
         raise CheckError(problem)
     given_regime = any(o.split("=")[0].lstrip("+~").startswith("regime") for o in overrides)
@@ -241,7 +248,18 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
                                            "regime.replicas=1",
                                            f"seed={args.seed}", f"device={args.device}"])
     c = typed(cfg)
+    if (problem := task_problem(c)) is not None:
+        raise CheckError(problem)
     shape, classes = describe(c.data)
+    if c.task.name == "lm":  # a language model: the first b*k sequences of its text, its own loss
+        if c.task.balance != "none":
+            raise CheckError(f"task.balance={c.task.balance}: gaexp-check measures a language model's loss "
+                             "normalization; an MoE's balancing is proven by tests/test_task.py and measured by "
+                             "+experiment=moe (docs/study.md)")
+        check_model(c, shape, classes)
+        torch.manual_seed(c.seed)
+        return Subject(make_model(c, shape[0], classes), f"model={c.model.name} task.loss={c.task.loss}", shape, b,
+                       w * k, c.data, None, w, lm=make_task(c.task))
     if args.input_shape not in (None, shape):
         raise CheckError(f"--input-shape {','.join(map(str, args.input_shape))}: a gaexp model takes its dataset's "
                          f"images, {','.join(map(str, shape))} (data={c.data.dataset})")
@@ -343,11 +361,33 @@ def require_sizes(subject: Subject) -> None:
         raise CheckError(f"--micro-batch {subject.micro_batch} --accum {subject.num_accum}; valid: b >= 1, k >= 2")
 
 
+def lm_loss(task: Any) -> Callable[..., torch.Tensor]:
+    """A gaexp language model's loss held to the check's contract: a mean over its micro-batch (token_mean,
+    seq_mean: the check scales it by 1/k), or the summed loss over the step's count, given as num_items_in_batch
+    (step_token_mean, as the Trainer's compute_loss_func)."""
+    if task.normalization == STEP:
+        def by_step(outputs: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int) -> torch.Tensor:
+            return task.loss(outputs, labels) / num_items_in_batch
+        found = by_step
+    else:
+        def per_micro_batch(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return task.loss(outputs, labels)
+        found = per_micro_batch
+    found.__qualname__ = f"task.loss={task.choice}"  # as the report names the loss
+    return found
+
+
 def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """b*k inputs of the subject's shape and a class target each, from the model's own output classes."""
+    """b*k inputs of the subject's shape and a class target each, from the model's own output classes (a language
+    model: its text's first b*k sequences in the seed's order, and their next tokens)."""
     n = subject.micro_batch * subject.num_accum
     require_sizes(subject)
     generator = torch.Generator().manual_seed(args.seed)
+    if subject.lm is not None:
+        split = open_dataset(subject.data).train
+        inputs, labels = split.window(next(micro_batch_indices(len(split), n, args.seed)))
+        subject.model.to(device)
+        return inputs.to(device), labels.to(device)
     if subject.data is None:
         inputs = torch.rand((n, *subject.input_shape), generator=generator)
     else:
@@ -421,11 +461,15 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
             from_hf(args.target[0], args, args.target[1:]) if args.target[0].startswith(hf.PREFIX) else \
             from_import_path(args.target[0], args, args.target[1:])
         loss = load_loss(args.loss if args.loss is not None or subject.task is None else MODEL_LOSS)
+        if subject.lm is not None and loss is None:
+            loss = lm_loss(subject.lm)
         precision = precision_of(args, subject)
         problem = device_problem(precision, device) if precision.name != FP32 else None
         if problem:
             raise CheckError(problem)
         count = hf.trainer_count(subject.model) if args.num_items_in_batch else False
+        if subject.lm is not None and callable(loss) and loss_contract(loss).items:
+            count = True  # the step's count of labels that are not -100
         if subject.task is not None and callable(loss) and loss_contract(loss).items:
             count = hf.trainer_count(subject.model)  # a compute_loss_func: given the step's count as the Trainer counts
         if subject.task is not None:
@@ -475,6 +519,9 @@ def _header(subject: Subject, args: argparse.Namespace, device: torch.device) ->
                    "varied)") + (" and images" if subject.task == "contrastive" else ""))
     elif subject.task is not None:
         data = f"{subject.task}: {n} random images"
+    elif subject.lm is not None:
+        data = (f"data={subject.data.dataset}'s first {n} training sequences (seed {args.seed}), up to "
+                f"{subject.input_shape[-1] - 1} predicted tokens each")
     return {"target": subject.name, "data": data, "device": str(device), "seed": args.seed}
 
 

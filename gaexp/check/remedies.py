@@ -11,7 +11,7 @@ from typing import Sequence
 
 from torch import nn
 
-from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES, STUDY_GROUPS
+from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES, LM_TOKEN_MEAN, STUDY_GROUPS
 from gaexp.check.loss import NUM_ITEMS, STEP_TARGETS, LossContract
 from gaexp.check.report import GIVEN, BufferDiff, Coupling, LossTerm, listed_names
 from gaexp.norms import NORMS
@@ -175,6 +175,11 @@ def remedies_for(modules: list[Coupling], buffers: list[BufferDiff], owners: dic
         remedies.append("sum the loss and divide by the step's total count over all its micro-batches, with no 1/k"
                         + ("" if step else f" (a loss taking a third argument or a {STEP_TARGETS}= keyword is "
                                            "given the step's targets)"))
+        if norm_choices:  # a gaexp model: its config's choice, and what the study measured of the bug
+            choice, regime, loss, against, verdict = LM_TOKEN_MEAN
+            remedies.append(f"  task.loss=step_token_mean: the step's token count (gaexp's language-model study: "
+                            f"task.loss={choice} at {regime}, loss per token {loss:.3f} nats, {against} nats against "
+                            f"the true batch of 16, {verdict} at ±0.02; step_token_mean: the true batch's, exactly)")
     elif loss_coupling == "samples":
         remedies.append("samples compared with each other (in-batch negatives): no accumulation is exact; compute "
                         "the step's embeddings first, then back-propagate through them in micro-batches "
