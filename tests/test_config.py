@@ -235,7 +235,7 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
-    assert PROTOCOL_COLUMNS == ["task.name", "task.loss", "model.name", "model.target", "precision.autocast", "precision.weights",
+    assert PROTOCOL_COLUMNS == ["task.name", "task.loss", "task.balance", "task.balance_coef", "model.name", "model.target", "precision.autocast", "precision.weights",
                                 "precision.accumulate_in", "precision.scaler", "precision.name", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "accumulate", "data.dataset", "data.size", "data.channels",
                                 "data.mean", "data.std", "data.augment", "data.digest", "data.context", "data.packed",
@@ -459,9 +459,9 @@ def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm
                    "in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5"),
     (["-m", "norm=bn,gn4", "regime=bs1a16,w1b2a8"], "regime=w1b2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, "
                                                     "bs4a4, or any bsBaK or wWbBaK (w >= 2); one replica's name is bs2a8"),
-    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, dp, precision, spec, spec_cifar10, spec_resnet20, "
+    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, dp, lm, moe, precision, spec, spec_cifar10, spec_resnet20, "
                            "tune_lr"),
-    (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, fortunes, imagefolder, mnist, svhn"),
+    (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, fortunes, imagefolder, mnist, svhn, textfolder"),
     (["norm=gn", "norm.groups=5", "regime.batch_size=2", "regime.num_accum=8", "train.lr=0.1", "data.path=/x",
       "+data.params.n=3", "hydra.launcher.n_jobs=2", "launch=joblib", "model=custom", "model.target=a:b"], None),
     (["hydra.searchpath=[file:///my/conf]", "norm=my_norm"], None),  # files this cannot see

@@ -39,7 +39,9 @@ def copy_raw(src_root: Path, dst_root: Path) -> Path:
 
 
 def test_every_idx_dataset_is_four_idx_files_with_sources_it_has():
-    assert catalog.names() == ["cifar10", "cifar100", "custom", "fashion_mnist", "imagefolder", "mnist", "svhn"]
+    assert catalog.names() == ["cifar10", "cifar100", "custom", "fashion_mnist", "fortunes", "imagefolder", "mnist", "svhn",
+                               "textfolder"]
+    assert catalog.image_names() == ["cifar10", "cifar100", "custom", "fashion_mnist", "imagefolder", "mnist", "svhn"]
     idx = [name for name in catalog.names() if OmegaConf.load(Path(CONFIG_DIR, "data", f"{name}.yaml")).kind == "idx"]
     assert idx == ["fashion_mnist", "mnist"]
     for name in idx:
@@ -53,7 +55,7 @@ def test_every_idx_dataset_is_four_idx_files_with_sources_it_has():
 
 def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
     with pytest.raises(DataError, match=r"dataset 'cifar'; valid: cifar10, cifar100, custom, fashion_mnist, "
-                                        r"imagefolder, mnist, svhn"):
+                                        r"fortunes, imagefolder, mnist, svhn, textfolder"):
         data_config("cifar")
     with pytest.raises(ValueError, match=r"data.sources=\['local', 'pypi'\]; valid: a list of local, torchvision, "
                                          r"debian \(the sources of data=fashion_mnist\)"):

@@ -389,6 +389,8 @@ class ModelConfig(Checked):
     cost: float = key(1.0, "a cell's seconds relative to the simple CNN's at the same protocol, for the sweep's "
                            "plan and ETA",
                       runtime=True, valid=number(0, open_low=True))
+    task: str = key("classify", "the task the model is built for: classify (images to logits) or lm (tokens to "
+                                "next-token logits)", runtime=True, valid=one_of(*TASKS))
 
 
 @dataclass

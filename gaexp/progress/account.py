@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from gaexp.metrics import VALID_ACC
 from gaexp.progress.cost import GAP_S, GRAPH_S
 from hydra_plugins.gaexp_optuna_sweeper.tally import duration
 
@@ -35,7 +36,7 @@ class Cell:
     heartbeat_age_s: float | None = None
     new_graphs: float = 0.0  # graph_units of the graphs it was the sweep's first to compile (by start time)
     fresh: int = 0  # 1: the first cell of the sweep its worker process ran
-    headline: str = "valid_acc"  # its name
+    headline: str = VALID_ACC.name  # its name
 
     @property
     def work_s(self) -> float:

@@ -22,6 +22,10 @@ def problem(c: Config) -> str | None:
     text (data.kind=text) and classification images; a loss divided by the step's count is refused across
     replicas, where DDP averages the replicas' gradients, each divided by its own count."""
     text = c.data.kind == "text"
+    if c.model.task != c.task.name:
+        fits = "task=lm data=fortunes" if c.model.task == LM else "task=classify with image data"
+        return (f"model={c.model.name} is built for task={c.model.task}, and the run's is task={c.task.name}; valid: "
+                f"{fits}, or a model for task={c.task.name}")
     if c.task.name == LM and not text:
         return (f"task=lm trains on text, and data={c.data.dataset} is images (data.kind={c.data.kind}); valid: "
                 "data=fortunes, or data.kind=text with data.path=a folder of text files (docs/data.md)")

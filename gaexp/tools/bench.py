@@ -36,7 +36,7 @@ from torchvision.transforms import ToTensor
 from gaexp import engine
 from gaexp.data.batches import Split, micro_batches
 from gaexp.config import COMPILE_CHOICES, CONFIG_DIR, DEVICES, DataConfig, NormConfig, regime_name
-from gaexp.data.catalog import DataError, data_config, names
+from gaexp.data.catalog import DataError, data_config, image_names
 from gaexp.data.dataset import fetch, open_dataset, splits
 from gaexp.data.idx import torchvision_class
 from gaexp.model import load
@@ -55,7 +55,8 @@ def sync(device: torch.device) -> None:
 
 def models() -> list[str]:
     """The models of conf/model/ that name their target (custom needs one given)."""
-    return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml") if "???" not in p.read_text())
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml")
+                  if "???" not in p.read_text() and OmegaConf.load(p).get("task", "classify") == "classify")
 
 
 def build(model: str, norm: str, in_channels: int, num_classes: int) -> torch.nn.Module:
@@ -211,7 +212,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per side (medians are reported)")
     parser.add_argument("--naive", action="store_true", help="add the usual tutorial loop as a third side")
     parser.add_argument("--data-root", default="outputs/data", help="data root (default: %(default)s)")
-    parser.add_argument("--dataset", default="mnist", choices=names(), help="conf/data/ (default: %(default)s)")
+    parser.add_argument("--dataset", default="mnist", choices=image_names(), help="conf/data/ (default: %(default)s)")
     args = parser.parse_args(argv)
     args.norms, args.jobs = args.norms.split(","), args.jobs or max(1, cores // args.threads)
     for norm in args.norms:

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from gaexp import tracking
 from gaexp.config import compose_config
 from gaexp.hooks import EvalPoint
-from gaexp.metrics import ACTIVATION_MB, PEAK_RSS_MB
+from gaexp.metrics import ACTIVATION_MB, PEAK_RSS_MB, VALID_ACC
 from gaexp.study import study
 from gaexp.tags import HEARTBEAT, HOST, PLAN_ROLE, PROTOCOL_KEY, ROLE, SWEEP_ID, cell_tags, plan_tags
 
@@ -47,7 +47,7 @@ def cells() -> list[tuple[str, str, int]]:
 def curve(index: int) -> list[EvalPoint]:
     """A plausible learning curve, different per cell, the same on every machine."""
     top = 0.95 + 0.0004 * (index % 97)
-    return [EvalPoint(step=s, valid={"valid_acc": round(top * (1 - 0.5 ** (i + 1)), 6)}, train_loss=round(2.3 * 0.7 ** i, 6),
+    return [EvalPoint(step=s, valid={VALID_ACC.name: round(top * (1 - 0.5 ** (i + 1)), 6)}, train_loss=round(2.3 * 0.7 ** i, 6),
                       samples_per_sec=400.0 + index) for i, s in enumerate(range(STEPS // EVALS, STEPS + 1, STEPS // EVALS))]
 
 
