@@ -397,6 +397,17 @@ def step_plan(c: Config, device: torch.device, group: replicas.Replicas | None,
     return StepPlan(c.regime, c.seed, c.accumulate, precision.Precision(c.precision, device), group, compiled)
 
 
+def finished_value(c: Config, client: MlflowClient, done: Run) -> float:
+    """`returned_value` of a cell FINISHED before: its task's headline (valid_acc; a language model's valid_loss)
+    at its last evaluation, logged as a result (no history to read), or for a trial its objective over the
+    headline's history."""
+    headline = make_task(c.task).headline.metric.name
+    if c.optuna.study is None:
+        return done.data.metrics[f"final_{headline}"]
+    history = client.get_metric_history(done.info.run_id, headline)
+    return returned_value(c, sorted((m.step, m.value) for m in history))
+
+
 def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
     """What a job returns to its sweeper, from its (step, valid_acc) evaluations: a trial, its objective
     (analysis.objective); a grid cell, whose value no sweeper reads, its final accuracy."""
@@ -450,10 +461,7 @@ def lead(cfg: DictConfig, c: Config, choice: engine.Choice, device: torch.device
     resolved["data"]["digest"] = dataset.meta.digest  # what it is, not only where: a changed folder is another protocol
     done = skip_if_finished(client, experiment_id, engine.keys(resolved, choice, tracking.protocol_key), c, sweep_id)
     if done is not None:
-        if c.optuna.study is None:  # a grid cell: its final accuracy, logged; no history to read
-            return done.data.metrics[metrics.FINAL_VALID_ACC.name]
-        history = client.get_metric_history(done.info.run_id, metrics.VALID_ACC.name)
-        return returned_value(c, sorted((m.step, m.value) for m in history))
+        return finished_value(c, client, done)
     model, train_data, valid_data = build(c, dataset, device)
     choice = engine.within_split(choice, c.regime.batch_size, c.regime.num_accum, len(train_data))
     c = dataclasses.replace(c, accumulate=choice.engine)

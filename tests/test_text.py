@@ -117,6 +117,10 @@ def test_a_language_model_sweep_through_the_public_command_is_reported_in_nats(t
     assert {"valid_loss", "valid_ppl", "final_valid_loss", "best_valid_loss"} <= set(run.data.metrics)
     assert "valid_acc" not in run.data.metrics and run.data.params["task.loss"] == "token_mean"
     assert run.data.metrics["best_valid_loss"] <= run.data.metrics["final_valid_loss"]
+    from gaexp.cell import finished_value  # what the same command returns for this cell, FINISHED, when it resumes
+    from gaexp.config import compose_config, typed
+    c = typed(compose_config(["task=lm", "model=gpt", "norm=ln", "data=textfolder", f"data.path={texts}"], hydra=False))
+    assert finished_value(c, client, run) == run.data.metrics["final_valid_loss"]
     table = next((tmp_path / "reports").glob("*/table.md")).read_text()
     assert table.startswith("textfolder, gpt: mean validation loss per token (nats) over evaluations at step > 0")
     assert "| loss | bs4a1 | bs2a2 |" in table and "| token_mean | " in table and "| step_token_mean | " in table
