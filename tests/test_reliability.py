@@ -184,7 +184,8 @@ BAD = {
                          r"data.sources=\['pypi'\]; valid: a list of local, torchvision, debian \(the sources of "
                          r"data=fashion_mnist\)"),
     "dataset": (["data=cifar"], Exception, r"Could not find 'data/cifar'(.|\n)*Available options in 'data':\n\tcifar10\n"
-                                           r"\tcifar100\n\tcustom\n\tfashion_mnist\n\timagefolder\n\tmnist\n\tsvhn"),
+                                           r"\tcifar100\n\tcustom\n\tfashion_mnist\n\tfortunes\n\timagefolder\n\tmnist\n\tsvhn\n"
+                                           r"\ttextfolder"),
     "dataset offline": (["data=cifar10"], Exception, r"data=cifar10: no CIFAR10 files in .*/CIFAR10 \(looked for "
                                                      r"cifar-10-batches-py/data_batch_1, .*; put them there"),
     "hold-out": (["data.holdout=60000"], ValueError, r"data.holdout=60000; valid: an integer in \[0, 60000\)"),
@@ -193,7 +194,7 @@ BAD = {
     "groups": (["norm=gn", "norm.groups=3"], ValueError,
                r"norm.groups=3 does not divide the channels \[32, 64, 128, 256\] of model=simple; "
                r"valid: \[1, 2, 4, 8, 16, 32\]"),
-    "model": (["model=resnet"], Exception, r"Could not find 'model/resnet'(.|\n)*Available options in 'model':\n\tcustom\n\tresnet20\n\tsimple"),
+    "model": (["model=resnet"], Exception, r"Could not find 'model/resnet'(.|\n)*Available options in 'model':\n\tcustom\n\tgpt\n\tgpt_moe\n\tresnet20\n\tsimple"),
     "model target": (["model=custom", "model.target=mynets:build"], ValueError,
                      r"model.target='mynets:build': cannot import 'mynets' \(No module named 'mynets'\)"),
     "model groups": (["model=resnet20", "norm=gn", "norm.groups=32"], ValueError,

@@ -176,8 +176,8 @@ def test_a_gaexp_search_refuses_to_minimize_the_accuracy(compose, tmp_path):
     """The official default direction finds the worst learning rate of a gaexp trial: refused in one line."""
     cfg = compose("hydra/sweeper=gaexp_optuna", "train.num_iterations=20", "analysis.window_start=0",
                   outputs=tmp_path, hydra=True)
-    with pytest.raises(ValueError, match=r"hydra.sweeper.direction=minimize: a gaexp trial returns a validation "
-                                         r"accuracy .*; valid: hydra.sweeper.direction=maximize"):
+    with pytest.raises(ValueError, match=r"hydra.sweeper.direction=minimize: a gaexp trial of task=classify returns a "
+                                         r"validation accuracy .*; valid: hydra.sweeper.direction=maximize"):
         callbacks.prepare(cfg)
     assert not (tmp_path / "mlflow.db").exists()  # refused before anything is written
 
