@@ -48,6 +48,40 @@ def test_a_server_that_cannot_start_is_one_error_with_its_log(tmp_path, free_por
             pass
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_server_outlives_no_caller_killed_outright(tmp_path, free_port):
+    """A caller killed by SIGKILL runs no `finally` (a test worker killed, a benchmark's process): its server, in a
+    session of its own, gets SIGTERM from the kernel and stops."""
+    import signal
+    import subprocess
+    import time
+    (tmp_path / "health").write_text("ok")  # http.server answers /health with it
+    port = free_port()
+    caller = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from pathlib import Path
+from gaexp.tools.server import running
+with running([sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1", "--directory", r"{tmp_path}"],
+             "http://127.0.0.1:{port}", Path(r"{tmp_path}") / "server.log", "http.server") as proc:
+    print(proc.pid, flush=True)
+    time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    pid = int(caller.stdout.readline())
+    os.kill(pid, 0)  # serving
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(pid, signal.SIGKILL)
+        pytest.fail(f"the server {pid} outlived its caller")
+
+
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory, free_port, serve, gaexp_command):
     """The locked server, and a sweep of two cells into it whose config carries a storage URL's password."""

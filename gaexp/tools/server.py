@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import os
 import secrets
+import shutil
 import signal
 import stat
 import subprocess
@@ -170,11 +171,24 @@ def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], d
     return command(args.root, args.host, args.port, locked, args.workers, args.allowed_hosts), env
 
 
+# Before it becomes the server: on Linux, ask the kernel to send it SIGTERM when the process that started it dies
+# (PR_SET_PDEATHSIG = 1, kept across execve), and exit if that process is already gone. A caller killed outright
+# (SIGKILL, a test worker's os._exit) runs no `finally`, and the server is in a session of its own.
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                   "if sys.platform == 'linux':\n"
+                   "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+                   "if os.getppid() != int(sys.argv[1]):\n"
+                   "    sys.exit(0)\n"
+                   "os.execv(sys.argv[2], sys.argv[2:])")
+
+
 @contextmanager
 def running(argv: list[str], url: str, log_path: Path, what: str = "mlflow server",
             env: dict | None = None) -> Iterator[subprocess.Popen]:
     """Run a server's `argv` in its own process group (output to `log_path`; environment `env`, default this
-    one's) until `url`/health answers; stop the whole group however the caller ends."""
+    one's) until `url`/health answers; stop the whole group however the caller ends, and on Linux when the caller
+    dies without ending (`DIE_WITH_PARENT`)."""
+    argv = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), shutil.which(argv[0]) or argv[0], *argv[1:]]
     with log_path.open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
