@@ -107,13 +107,15 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     """
     precision = precision or Precision.float32()
     draws = [next(batches) for _ in range(num_accum)]
-    count = None if task.normalization == MICRO else sum(task.count(data.batch(d)[1]) for d in draws)
-    with torch.no_grad(), precision.forward():
-        task.begin_step(model, [data.batch(d) for d in draws])  # what the loss needs of the whole step (if any)
+    whole = [data.batch(d) for d in draws] if task.whole_step else None  # made once, where the task reads the step
+    count = None if task.normalization == MICRO else sum(task.count(targets) for _, targets in whole)
+    if task.step_pass:
+        with torch.no_grad(), precision.forward():
+            task.begin_step(model, whole)  # what the loss needs of the whole step before a backward
     total = torch.zeros((), device=data.labels.device)
     for j, draw in enumerate(draws):
         with summing_locally(model, last=j == num_accum - 1):  # under DDP: one all-reduce per step
-            inputs, targets = data.batch(draw)
+            inputs, targets = whole[j] if whole is not None else data.batch(draw)
             with precision.forward():
                 loss = task.loss(model(inputs), targets)
                 extra = task.extra(targets, j, num_accum)  # an MoE's balancing term, normalized by the task

@@ -39,6 +39,13 @@ class Task:
 
     name: str
     normalization: str = MICRO
+    step_pass: bool = False  # the loop calls `begin_step` before a step's first backward
+
+    @property
+    def whole_step(self) -> bool:
+        """Whether the loop reads the whole step's micro-batches before its first backward (to count the step's
+        items, or for `begin_step`); otherwise it makes each micro-batch as it comes."""
+        return self.normalization == STEP or self.step_pass
 
     @property
     def headline(self) -> Headline:
@@ -58,8 +65,8 @@ class Task:
         besides its outputs (an MoE's routing); a model without it is refused in one line (ValueError)."""
 
     def begin_step(self, forward: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The loop, before a step's first backward, under no_grad and the training's autocast: what the loss needs
-        of the whole step beyond its targets (an MoE's routing counted over the step). The default needs nothing."""
+        """The loop, before a step's first backward, under no_grad and the training's autocast, where `step_pass`:
+        what the loss needs of the whole step beyond its targets (an MoE's routing counted over the step)."""
 
     def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
         """The loop: a term added to micro-batch `part` of `parts`' normalized loss, already normalized (an MoE's

@@ -57,6 +57,7 @@ class LanguageModel(Task):
             raise ValueError(f"task.balance={balance!r}; valid: {', '.join(BALANCES)}")
         self.choice, self.normalization = loss, LOSSES[loss]
         self.balance, self.coef = balance, coef
+        self.step_pass = balance == "global"  # the step's routing counted before its first backward
         self.routers: list[torch.nn.Module] = []
         self.step_fractions: list[torch.Tensor] = []  # global: each layer's f over the step (`begin_step`)
         self.step_tokens = torch.zeros(())
@@ -79,15 +80,13 @@ class LanguageModel(Task):
         return found
 
     def begin_step(self, forward: torch.nn.Module, batches) -> None:
-        if self.balance == "global":
-            counts, tokens = None, 0
-            for inputs, targets in batches:
-                forward(inputs)
-                found = [c.sum(0) for _, c in self.routing(targets)]
-                counts = found if counts is None else [a + b for a, b in zip(counts, found)]
-                tokens = tokens + self.count(targets)
-            self.step_fractions, self.step_tokens = [c / tokens for c in counts], tokens
-        self.seen = []
+        counts, tokens = None, 0  # one forward of the step's micro-batches, without a graph
+        for inputs, targets in batches:
+            forward(inputs)
+            found = [c.sum(0) for _, c in self.routing(targets)]
+            counts = found if counts is None else [a + b for a, b in zip(counts, found)]
+            tokens = tokens + self.count(targets)
+        self.step_fractions, self.step_tokens = [c / tokens for c in counts], tokens
 
     def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
         if self.balance == "none":
