@@ -850,11 +850,40 @@ def test_gaexps_language_model_gets_the_verdict_its_losss_arithmetic_implies(los
                 "worse at ±0.02") in text
 
 
+@pytest.mark.parametrize("balance, expected", [("micro", UNSAFE), ("global", SAFE), ("running", UNSAFE)])
+def test_gaexps_mixture_of_experts_gets_the_verdict_its_balancings_arithmetic_implies(balance, expected, tmp_path):
+    """model=gpt_moe with its loss over the step's count: the balancing loss over each micro-batch's fractions, or
+    over those counted so far, is unsafe, named as the term it is, with the config's remedy and the study's figures;
+    over the step's fractions it is the big batch's step."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(12):
+        (texts / f"doc{i:02}.txt").write_bytes(bytes(range(97, 100 + 5 * i)))
+    status, text = run(["task=lm", "model=gpt_moe", "norm=ln", "data=textfolder", f"data.path={texts}",
+                        "data.holdout=2", "data.context=32", "task.loss=step_token_mean", f"task.balance={balance}"])
+    assert status == expected, text
+    assert text.startswith(f"gaexp-check model=gpt_moe task.loss=step_token_mean task.balance={balance}: ")
+    term = re.search(r"^  aux_loss +(over the whole micro-batch|per-sample) +(\S+)$", text, re.M)
+    assert term, text
+    if expected == SAFE:
+        assert term.group(1) == "per-sample" and float(term.group(2)) < 1e-5, text
+        return
+    assert term.group(1) == "over the whole micro-batch" and float(term.group(2)) > 1e-3, text
+    assert "aux_loss is computed over the whole micro-batch" in text and "state carried" not in text
+    assert ("task.balance=global: the step's fractions per expert, counted by a pass over the step's routing before "
+            "its first backward (gaexp's MoE study: task.balance=micro at bs1a16, loss per token 2.108 nats, +0.004 "
+            "[-0.073, +0.081] nats against the true batch of 16, inconclusive (13 seeds) at ±0.02") in text
+
+
 def test_the_checks_language_model_evidence_is_the_studys_table():
     """The figures the check cites are docs/results.md's, as printed by the language-model study's report."""
-    from gaexp.check.evidence import LM_TOKEN_MEAN
+    from gaexp.check.evidence import LM_BALANCE, LM_TOKEN_MEAN
     results = (REPO / "docs" / "results.md").read_text()
     choice, regime, loss, against, verdict = LM_TOKEN_MEAN
     diff, ci = against.split(" ", 1)
     assert f"| {choice} | {regime} | {diff} | {ci} | " in results and f"| {verdict} |" in results
     assert f"| {choice} | 2.147 | {loss:.3f} | " in results
+    for choice, regime, loss, against, verdict in LM_BALANCE:
+        diff, ci = against.split(" ", 1)
+        assert f"| {choice} | {regime} | {diff} | {ci} | " in results and f"| {verdict} |" in results
+        assert f"| {choice} | 2.104 | {loss:.3f} | " in results

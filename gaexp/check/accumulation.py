@@ -231,7 +231,7 @@ def check_accumulation(model: nn.Module, inputs: Any, targets: Any = None,
     tensors, gradient_rel = gradient_diffs(m.big_grads, m.acc_grads, rtol)
     owners = dict(model.named_modules())
     buffers = _buffer_diffs(m.big_buffers, m.acc_buffers, owners, rtol)
-    loss_couples = m.loss_rel > rtol
+    loss_couples = m.loss_rel > rtol or any(t.kind not in ("", "modules") for t in m.terms)  # a term: its share
     grad_differs = gradient_rel > rtol or any(t.flagged for t in tensors)
     unexplained = grad_differs and not m.modules and not loss_couples
     return Report(

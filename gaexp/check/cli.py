@@ -18,7 +18,7 @@ import math
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -35,6 +35,7 @@ from gaexp.arguments import positive_ints
 from gaexp.data.batches import micro_batch_indices
 from gaexp.check import hf
 from gaexp.check.accumulation import check_accumulation, where_raised
+from gaexp.check.balance import Balanced
 from gaexp.check.errors import CheckError, NonFiniteError
 from gaexp.check.loss import LOSS_FORMS, MODEL_LOSS, NUM_ITEMS, loss_contract
 from gaexp.check.report import Report
@@ -252,14 +253,11 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
         raise CheckError(problem)
     shape, classes = describe(c.data)
     if c.task.name == "lm":  # a language model: the first b*k sequences of its text, its own loss
-        if c.task.balance != "none":
-            raise CheckError(f"task.balance={c.task.balance}: gaexp-check measures a language model's loss "
-                             "normalization; an MoE's balancing is proven by tests/test_task.py and measured by "
-                             "+experiment=moe (docs/study.md)")
         check_model(c, shape, classes)
         torch.manual_seed(c.seed)
-        return Subject(make_model(c, shape[0], classes), f"model={c.model.name} task.loss={c.task.loss}", shape, b,
-                       w * k, c.data, None, w, lm=make_task(c.task))
+        balance = f" task.balance={c.task.balance}" if c.task.balance != "none" else ""
+        return Subject(make_model(c, shape[0], classes), f"model={c.model.name} task.loss={c.task.loss}{balance}",
+                       shape, b, w * k, c.data, None, w, lm=make_task(c.task))
     if args.input_shape not in (None, shape):
         raise CheckError(f"--input-shape {','.join(map(str, args.input_shape))}: a gaexp model takes its dataset's "
                          f"images, {','.join(map(str, shape))} (data={c.data.dataset})")
@@ -484,6 +482,9 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
             labels = labels.to(device) if labels is not None else None
         else:
             inputs, labels = make_data(subject, args, device)
+        if subject.lm is not None and subject.lm.balance != "none":  # the model's loss, its balancing term apart
+            subject = replace(subject, model=Balanced(subject.model, subject.lm, inputs, labels))
+            inputs, loss, count = {"tokens": inputs, "labels": labels}, MODEL_LOSS, False
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
                                     num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
                                     modes="keep" if args.keep_modes else "train", norm_choices=overrides,

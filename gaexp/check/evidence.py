@@ -31,4 +31,10 @@ BN_REMEDIES = (  # (norm= choice, accuracy %, points against the true batch, ver
 # difference to the big batch of 16 sequences with its 95% t-interval and verdict at ±0.02 nats).
 LM_TOKEN_MEAN = ("token_mean", "bs1a16", 2.185, "+0.038 [+0.019, +0.057]", "worse")
 
+# What gaexp's MoE study measured for the balancing loss counted per micro-batch and as a running count (docs/results.md,
+# "Mixtures of experts": model=gpt_moe as above, its loss over the step's count, balance coefficient 0.01; the same
+# columns). Counted over the step (global), every regime's loss was the true batch's, bit for bit.
+LM_BALANCE = (("micro", "bs1a16", 2.108, "+0.004 [-0.073, +0.081]", "inconclusive (13 seeds)"),
+              ("running", "bs1a16", 2.145, "+0.041 [-0.148, +0.231]", "inconclusive (16 seeds)"))
+
 STUDY_GROUPS = 16  # the GroupNorm remedy's group count as measured (gn16); fewer where 16 does not divide C

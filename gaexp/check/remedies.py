@@ -11,7 +11,7 @@ from typing import Sequence
 
 from torch import nn
 
-from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES, LM_TOKEN_MEAN, STUDY_GROUPS
+from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES, LM_BALANCE, LM_TOKEN_MEAN, STUDY_GROUPS
 from gaexp.check.loss import NUM_ITEMS, STEP_TARGETS, LossContract
 from gaexp.check.report import GIVEN, BufferDiff, Coupling, LossTerm, listed_names
 from gaexp.norms import NORMS
@@ -124,8 +124,26 @@ BATCH_REMEDY_HF = (BATCH_REMEDY + "; in transformers, output_router_logits=True 
                    "router_logits to count from, and router_aux_loss_coef=0 leaves the balancing out")
 
 
-def term_remedies(terms: Sequence[LossTerm], hf: bool, contract: LossContract) -> list[str]:
-    """One remedy per kind of coupling among a loss's terms, in transformers' terms for a transformers model."""
+def token_mean_measured() -> str:
+    """gaexp's choice for a language model's loss, with what its study measured of the token mean."""
+    choice, regime, loss, against, verdict = LM_TOKEN_MEAN
+    return (f"  task.loss=step_token_mean: the step's token count (gaexp's language-model study: task.loss={choice} at "
+            f"{regime}, loss per token {loss:.3f} nats, {against} nats against the true batch of 16, {verdict} at "
+            "±0.02; step_token_mean: the true batch's, exactly)")
+
+
+def balance_measured() -> str:
+    """gaexp's choice for an MoE's balancing loss, with what its study measured of the others."""
+    measured = "; ".join(f"task.balance={choice} at {regime}, loss per token {loss:.3f} nats, {against} nats against "
+                         f"the true batch of 16, {verdict} at ±0.02" for choice, regime, loss, against, verdict
+                         in LM_BALANCE)
+    return ("  task.balance=global: the step's fractions per expert, counted by a pass over the step's routing before "
+            f"its first backward (gaexp's MoE study: {measured}; global: the true batch's, exactly)")
+
+
+def term_remedies(terms: Sequence[LossTerm], hf: bool, contract: LossContract, gaexp: bool = False) -> list[str]:
+    """One remedy per kind of coupling among a loss's terms, in transformers' terms for a transformers model, with
+    gaexp's config choice for a gaexp model (`gaexp`)."""
     kinds = dict.fromkeys(t.kind for t in terms if t.kind not in ("", "modules"))
     ignored = contract.items == "forward" and any(t.name == GIVEN and t.kind == "count" for t in terms)
     remedies = []
@@ -137,10 +155,12 @@ def term_remedies(terms: Sequence[LossTerm], hf: bool, contract: LossContract) -
     elif "count" in kinds:
         remedies.append(COUNT_REMEDY_HF if hf else "sum the loss and divide by the step's total count over all its "
                         f"micro-batches, with no 1/k ({NUM_ITEMS} given to a loss that takes it, as the Trainer does)")
+        remedies += [token_mean_measured()] if gaexp else []
     if "samples" in kinds:
         remedies.append(SAMPLES_REMEDY)
     if "batch" in kinds:
         remedies.append(BATCH_REMEDY_HF if hf else BATCH_REMEDY)
+        remedies += [balance_measured()] if gaexp else []
     return remedies
 
 
@@ -170,16 +190,13 @@ def remedies_for(modules: list[Coupling], buffers: list[BufferDiff], owners: dic
         remedies.append("other coupling modules: compute their statistics per sample (GroupNorm, LayerNorm), or "
                         "once over the whole step before its micro-batches")
     if terms:
-        remedies += term_remedies(terms, hf, contract)
+        remedies += term_remedies(terms, hf, contract, norm_choices)
     elif loss_coupling == "count":
         remedies.append("sum the loss and divide by the step's total count over all its micro-batches, with no 1/k"
                         + ("" if step else f" (a loss taking a third argument or a {STEP_TARGETS}= keyword is "
                                            "given the step's targets)"))
         if norm_choices:  # a gaexp model: its config's choice, and what the study measured of the bug
-            choice, regime, loss, against, verdict = LM_TOKEN_MEAN
-            remedies.append(f"  task.loss=step_token_mean: the step's token count (gaexp's language-model study: "
-                            f"task.loss={choice} at {regime}, loss per token {loss:.3f} nats, {against} nats against "
-                            f"the true batch of 16, {verdict} at ±0.02; step_token_mean: the true batch's, exactly)")
+            remedies.append(token_mean_measured())
     elif loss_coupling == "samples":
         remedies.append("samples compared with each other (in-batch negatives): no accumulation is exact; compute "
                         "the step's embeddings first, then back-propagate through them in micro-batches "

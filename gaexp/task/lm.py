@@ -61,7 +61,7 @@ class LanguageModel(Task):
         self.routers: list[torch.nn.Module] = []
         self.step_fractions: list[torch.Tensor] = []  # global: each layer's f over the step (`begin_step`)
         self.step_tokens = torch.zeros(())
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # running: each layer's counts and tokens so far
+        self.before: tuple = (0, 0)  # running: the step's routing counts (`counts`) and tokens so far
 
     def attach(self, model: torch.nn.Module) -> None:
         self.routers = [m for m in model.modules() if hasattr(m, "routing") and hasattr(m, "top_k")]
@@ -88,14 +88,17 @@ class LanguageModel(Task):
             tokens = tokens + self.count(targets)
         self.step_fractions, self.step_tokens = [c / tokens for c in counts], tokens
 
-    def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
-        if self.balance == "none":
-            return None
+    def counts(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last forward's routings over these targets' predicted tokens: each MoE layer's count per expert
+        [layers, experts], and the tokens."""
+        return torch.stack([c.sum(0) for _, c in self.routing(targets)]), self.count(targets)
+
+    def balance_term(self, targets: torch.Tensor, before: tuple = (0, 0), parts: int = 1) -> torch.Tensor:
+        """The balancing term of the micro-batch whose targets these are, from its last forward, normalized as the
+        loop's micro-batch of `parts`: `micro`, its own fractions; `global`, the step's (`begin_step`); `running`,
+        the counts (`counts`) of the step's micro-batches `before` it plus its own."""
         found, n = [(p.sum(0), c.sum(0)) for p, c in self.routing(targets)], self.count(targets)
-        if part == 0:
-            self.seen = []
-        self.seen.append((torch.stack([c for _, c in found]), n))
-        chosen_so_far, tokens_so_far = sum(c for c, _ in self.seen), sum(t for _, t in self.seen)
+        chosen_so_far, tokens_so_far = before[0] + torch.stack([c for _, c in found]), before[1] + n
         terms = []
         for layer, (probs, chosen) in enumerate(found):  # [experts] each, summed over the micro-batch's tokens
             experts = probs.shape[-1]
@@ -105,6 +108,16 @@ class LanguageModel(Task):
             fractions = chosen / n if self.balance == "micro" else chosen_so_far[layer] / tokens_so_far
             terms.append(experts * (fractions * probs / n).sum() / parts)
         return self.coef * torch.stack(terms).mean()
+
+    def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
+        if self.balance == "none":
+            return None
+        if part == 0:
+            self.before = (0, 0)
+        term = self.balance_term(targets, self.before, parts)
+        chosen, n = self.counts(targets)
+        self.before = (self.before[0] + chosen, self.before[1] + n)
+        return term
 
     def chunked_extra(self, targets: torch.Tensor, parts: int) -> torch.Tensor | None:
         if self.balance == "none":
