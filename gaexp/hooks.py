@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ class EvalPoint:
     samples_per_sec: float  # training samples per second so far (evaluations excluded)
     loss_scale: float | None = None  # under a GradScaler (precision.scaler): the scale now
     skipped_steps: int | None = None  # and the optimizer steps it skipped so far
+    speed: Mapping[str, float] = field(default_factory=dict)  # the task's own (a language model's tokens_per_sec)
 
     @property
     def value(self) -> float:
@@ -139,11 +140,13 @@ class Progress(Hook):
 
     def after_eval(self, point: EvalPoint) -> None:
         self.compiling = False  # compiled: the postfix below replaces the word
+        unit, rate = next(((name.removesuffix("_per_sec"), value) for name, value in point.speed.items()),
+                          ("samples", point.samples_per_sec))  # a language model's tokens/s
         self.bar.set_postfix(loss=f"{point.train_loss:.4f}", **{point.headline: f"{point.value:.4f}"},
-                             samples_s=f"{point.samples_per_sec:.0f}")
+                             **{f"{unit}_s": f"{rate:.0f}"})
         if not self.show:
-            log.info("%s step %d/%d train_loss %.4f %s %.4f samples/s %.0f", self.desc, point.step,
-                     self.total, point.train_loss, point.headline, point.value, point.samples_per_sec)
+            log.info("%s step %d/%d train_loss %.4f %s %.4f %s/s %.0f", self.desc, point.step,
+                     self.total, point.train_loss, point.headline, point.value, unit, rate)
 
     def close(self) -> None:
         self.bar.close()

@@ -40,6 +40,8 @@ ACTIVATION_MB = Metric("activation_mb", RESOURCE, "MiB autograd saves for one mi
 PEAK_RSS_MB = Metric("peak_rss_mb", RESOURCE, "the process's peak resident memory while training, MiB", True)
 CUDA_MAX_MEM_MB = Metric("cuda_max_mem_mb", RESOURCE, "peak CUDA memory allocated while training, MiB", True)
 SAMPLES_PER_SEC = Metric("samples_per_sec", RESOURCE, "training samples per second, evaluations excluded", True)
+TOKENS_PER_SEC = Metric("tokens_per_sec", RESOURCE, "language model: predicted tokens trained per second, evaluations "
+                                                    "excluded", True)
 WALL_SECONDS = Metric("wall_seconds", RESOURCE, "seconds from the first step to the last evaluation", True)
 BATCHED_ACTIVATION_MB = Metric("batched_activation_mb", RESOURCE, "accumulate=batched: MiB autograd saves for the "
                                                                   "b*k samples of a step")
@@ -58,7 +60,7 @@ SEARCH_METRICS = (BEST_VALUE, BEST_TRIAL, TRIAL_VALUE)
 
 METRICS = (VALID_ACC, VALID_LOSS, VALID_PPL, EXPERT_LOAD_MAX, EXPERT_LOAD_CV, TRAIN_LOSS, FINAL_VALID_ACC, BEST_VALID_ACC, FINAL_VALID_LOSS,
            BEST_VALID_LOSS, ACTIVATION_MB, PEAK_RSS_MB, CUDA_MAX_MEM_MB,
-           SAMPLES_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB,
+           SAMPLES_PER_SEC, TOKENS_PER_SEC, WALL_SECONDS, BATCHED_ACTIVATION_MB, BATCHED_PEAK_RSS_MB, BATCHED_CUDA_MAX_MEM_MB,
            LOSS_SCALE, SKIPPED_STEPS)
 HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and not m.only)  # valid_acc, ..., train_loss
 SCALER_HISTORIES = tuple(m.name for m in METRICS if m.per == EVALUATION and m.only == SCALER)  # loss_scale

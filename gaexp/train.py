@@ -16,7 +16,7 @@ import torch
 
 from gaexp.batched import Chunking, accumulate_batched
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
-from gaexp.data.batches import Draw, Split, micro_batches
+from gaexp.data.batches import Draw, Split, counted, micro_batches
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.machine import device_type
 from gaexp.norms import compiled_training
@@ -177,6 +177,8 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
     task.attach(model)
     gradient = step_function(plan.engine, model, regime.batch_size)
     batches = micro_batches(len(train_data), regime.batch_size, plan.seed, train_data.augment, train_data.labels.device)
+    items = [0]  # every replica's items drawn so far, where the task has a speed of its own (a language model's tokens)
+    batches = counted(batches, train_data, items) if task.speed is not None else batches
     if plan.replicas is not None:
         forward, batches = plan.replicas.wrap(forward), replica_draws(batches, plan.replicas.rank, plan.replicas.world,
                                                                       regime.num_accum)
@@ -200,9 +202,10 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
                 for hook in hooks:
                     hook.before_eval(model, step)
                 samples_per_sec = step * regime.samples / train_seconds
+                speed = {task.speed.name: float(items[0]) / train_seconds} if task.speed is not None else {}
                 history.append(EvalPoint(step, train_loss, evaluate(eval_forward, valid_data, cfg.eval_batch_size,
                                                                     precision, task), samples_per_sec, precision.scale,
-                                         precision.skipped if precision.scaler.is_enabled() else None))
+                                         precision.skipped if precision.scaler.is_enabled() else None, speed))
                 for hook in hooks:
                     hook.after_eval(history[-1])
             tic = time.perf_counter()

@@ -125,3 +125,34 @@ def test_a_language_model_sweep_through_the_public_command_is_reported_in_nats(t
     assert table.startswith("textfolder, gpt: mean validation loss per token (nats) over evaluations at step > 0")
     assert "| loss | bs4a1 | bs2a2 |" in table and "| token_mean | " in table and "| step_token_mean | " in table
     assert "Paired (same seed) difference to bs4a1, nats, 95% t-interval; verdict at a margin of ±0.05 nats" in table
+    speed = run.data.metrics["tokens_per_sec"] / run.data.metrics["samples_per_sec"]  # tokens per sequence trained
+    assert 2 <= speed <= 16, speed
+    memory = (next((tmp_path / "reports").glob("*/memory.csv"))).read_text().splitlines()
+    assert "samples_per_sec,tokens_per_sec,wall_seconds" in memory[0] and len(memory) == 3, memory
+
+
+def test_a_language_models_speed_counts_the_predicted_tokens_it_trained_on():
+    """tokens_per_sec: the predicted tokens of every sequence the steps drew (each one's length less its first
+    token), over the same seconds as samples_per_sec; an image counts as one."""
+    from gaexp.config import RegimeConfig, TrainConfig
+    from gaexp.data.batches import counted, micro_batches
+    from gaexp.gpt import gpt
+    from gaexp.norms import norm_layer
+    from gaexp.task.lm import IGNORE, LanguageModel
+    from gaexp.train import StepPlan, train
+    docs = [bytes(range(97, 97 + 3 + 5 * i)) for i in range(12)]
+    data = TextSplit(*sequences(docs, 16, packed=False))
+    tally, drawn = [0], []
+    for draw in counted(micro_batches(len(data), 3, 0), data, tally):
+        drawn.append(int((data.batch(draw)[1] != IGNORE).sum()))
+        if len(drawn) == 8:
+            break
+    assert int(tally[0]) == sum(drawn) and 8 * 3 < sum(drawn) < 8 * 3 * 16
+    torch.manual_seed(0)
+    net = gpt(norm_layer("ln"), 1, 256, context=16, layers=1, width=16, heads=2)
+    history = train(net, data, data, TrainConfig(num_iterations=4, eval_period=4, lr=1e-3),
+                    StepPlan(RegimeConfig(batch_size=3, num_accum=2), seed=0), LanguageModel("token_mean"))
+    point = history[-1]
+    assert point.speed["tokens_per_sec"] / point.samples_per_sec == pytest.approx(sum(drawn) / 24, rel=1e-9)
+    images = TextSplit(torch.zeros(5, 1, 1, 4, dtype=torch.uint8), torch.full((5,), 4))
+    assert int(super(TextSplit, images).items(torch.arange(3))) == 3

@@ -290,3 +290,15 @@ def test_progress_logs_one_line_per_evaluation_without_a_terminal(caplog):
         progress.after_eval(EvalPoint(5, 0.25, {"valid_acc": 0.875}, 123.4))
         progress.close()
     assert caplog.messages == ["gn4-bs4a4-s1 step 5/10 train_loss 0.2500 valid_acc 0.8750 samples/s 123"]
+
+
+def test_a_language_models_progress_says_its_speed_in_tokens(caplog):
+    progress = Progress(total=10, desc="ln-bs4a4-s1", show=False)
+    with caplog.at_level("INFO", logger="gaexp.train"):
+        progress.after_eval(EvalPoint(5, 2.5, {"valid_loss": 2.25}, 12.5, speed={"tokens_per_sec": 1234.4}))
+        progress.close()
+    assert caplog.messages == ["ln-bs4a4-s1 step 5/10 train_loss 2.5000 valid_loss 2.2500 tokens/s 1234"]
+    bar = Progress(total=10, desc="ln-bs4a4-s1", show=True)
+    bar.after_eval(EvalPoint(5, 2.5, {"valid_loss": 2.25}, 12.5, speed={"tokens_per_sec": 1234.4}))
+    assert "tokens_s=1234" in str(bar.bar) and "samples_s" not in str(bar.bar)  # the line tqdm draws
+    bar.close()

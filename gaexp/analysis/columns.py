@@ -47,7 +47,8 @@ LAUNCH_WINDOW = "launch_window_start"  # a run's analysis.window_start as its co
 RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)
 
 
-MEMORY_COLUMNS = [(metrics.ACTIVATION_MB, "mean"), (metrics.SAMPLES_PER_SEC, "mean"), (metrics.WALL_SECONDS, "mean"),
+MEMORY_COLUMNS = [(metrics.ACTIVATION_MB, "mean"), (metrics.SAMPLES_PER_SEC, "mean"), (metrics.TOKENS_PER_SEC, "mean"),
+                  (metrics.WALL_SECONDS, "mean"),
                   (metrics.PEAK_RSS_MB, "max"), (metrics.CUDA_MAX_MEM_MB, "max"), (metrics.BATCHED_ACTIVATION_MB, "mean"),
                   (metrics.BATCHED_PEAK_RSS_MB, "max"), (metrics.BATCHED_CUDA_MAX_MEM_MB, "max")]  # the memory table's
 

@@ -50,6 +50,10 @@ class Split:
         """(inputs, labels) of a micro-batch."""
         return self.inputs(draw.index, draw), self.labels[draw.index]
 
+    def items(self, index: torch.Tensor) -> torch.Tensor:
+        """What the samples at `index` hold to train on, as a tensor on their device: an image is one."""
+        return torch.tensor(index.numel(), device=index.device)
+
 
 def to_input(images: torch.Tensor) -> torch.Tensor:
     """uint8 [B, C, H, W] (or [B, H, W], one channel) -> float in [0, 1], exactly as ToTensor, channels_last."""
@@ -94,6 +98,14 @@ def augment_seed(seed: int) -> int:
     """The augmentation generator's seed: a stream of its own, derived from the run's seed (never the data
     order's numbers reused)."""
     return int(np.random.SeedSequence([seed, 0xA06]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def counted(batches: Iterator[Draw], split: Split, tally: list) -> Iterator[Draw]:
+    """`batches` as they come, each micro-batch's items (`split.items`) added to `tally[0]` on the device (no host
+    synchronization): a language model's tokens, for its speed in tokens/s."""
+    for draw in batches:
+        tally[0] = tally[0] + split.items(draw.index)
+        yield draw
 
 
 def micro_batches(num_samples: int, batch_size: int, seed: int, augment: str = "none",

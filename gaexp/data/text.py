@@ -55,6 +55,10 @@ class TextSplit(Split):
     def batch(self, draw: Draw) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window(draw.index)
 
+    def items(self, index: torch.Tensor) -> torch.Tensor:
+        """The sequences' predicted tokens (all but each one's first): the targets `window` does not IGNORE."""
+        return (self.labels[index] - 1).sum()
+
 
 def documents(folder: Path, separator: str | None) -> list[bytes]:
     """The corpus's documents in order: its files by name (recursively; hidden files and fortune's `.dat` indexes

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from gaexp.metrics import ACCURACY, TOKEN_LOSS, Headline
+from gaexp.metrics import ACCURACY, TOKEN_LOSS, Headline, Metric
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,7 @@ class Task:
     name: str
     normalization: str = MICRO
     step_pass: bool = False  # the loop calls `begin_step` before a step's first backward
+    speed: Metric | None = None  # the training speed in the task's own items, beside samples/s (the data's `items`)
 
     @property
     def whole_step(self) -> bool:

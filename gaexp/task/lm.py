@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from gaexp.data.batches import Split
-from gaexp.metrics import EXPERT_LOAD_CV, EXPERT_LOAD_MAX, VALID_PPL
+from gaexp.metrics import EXPERT_LOAD_CV, EXPERT_LOAD_MAX, TOKENS_PER_SEC, VALID_PPL
 from gaexp.precision import Precision
 from gaexp.task import LM, MICRO, STEP, Task
 
@@ -49,6 +49,7 @@ def token_losses(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class LanguageModel(Task):
     name = LM
+    speed = TOKENS_PER_SEC  # the predicted tokens of the steps' sequences (TextSplit.items)
 
     def __init__(self, loss: str, balance: str = "none", coef: float = 0.01) -> None:
         if loss not in LOSSES:

@@ -150,6 +150,7 @@ def log_summary(client: MlflowClient, run_id: str, history: list[EvalPoint], wal
         f"best_{last.headline}": best(p.value for p in history),
         metrics.WALL_SECONDS.name: wall_seconds,
         metrics.SAMPLES_PER_SEC.name: last.samples_per_sec,
+        **last.speed,
         **({metrics.SKIPPED_STEPS.name: last.skipped_steps} if last.skipped_steps is not None else {}),
         **(extra or {}),
     }
