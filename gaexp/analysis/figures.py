@@ -5,30 +5,41 @@ and PDF; matplotlib without a display.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display: figures are files
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import pandas as pd
 
 from gaexp.analysis.columns import Collected, TRAIN_LOSS, VALID_ACC, as_rows, headline, in_order, norm_order
 from gaexp.analysis.stats import Summary
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
 from gaexp.tags import DATASET, MODEL, NORM, REGIME, SEED
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def pyplot():
+    """matplotlib's pyplot without a display (figures are files), imported when a figure is drawn: about a second
+    that a report without figures (analysis.plots=false, --no-plots) does not pay."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 def _grid(n_panels: int, max_cols: int = 3):
     ncols = min(n_panels, max_cols)
     nrows = -(-n_panels // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols + 1.4, 3.4 * nrows + 0.4), sharex=True, sharey=True,
+    fig, axes = pyplot().subplots(nrows, ncols, figsize=(4.2 * ncols + 1.4, 3.4 * nrows + 0.4), sharex=True, sharey=True,
                              squeeze=False, constrained_layout=True)
     for ax in axes.flat[n_panels:]:
         ax.remove()
     return fig, axes.flat[:n_panels]
 
 
-def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisConfig | None = None) -> plt.Figure:
+def plot_curves(data: pd.DataFrame, metric: str = VALID_ACC, design: AnalysisConfig | None = None) -> Figure:
     """One panel per norm, one colour per regime: mean over seeds, band from min to max; accuracy in %, as the
     tables give it, against whole optimizer steps."""
     from matplotlib.ticker import MaxNLocator
@@ -92,5 +103,5 @@ def export_plots(collected: Collected, summary: Summary, out: Path) -> list[Path
         for suffix in (".png", ".pdf"):
             fig.savefig(out / f"{stem}{suffix}", dpi=150)
             written.append(out / f"{stem}{suffix}")
-        plt.close(fig)
+        pyplot().close(fig)
     return written

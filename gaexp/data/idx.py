@@ -141,16 +141,24 @@ def unpack_deb(deb: Path, folder: str, names: Sequence[str], out: Path) -> None:
                 shutil.copyfileobj(src, dst)
 
 
+# torchvision.datasets' classes that read four IDX files (MNIST and its subclasses), named without importing
+# torchvision: its import takes its models and torch._dynamo (about 1.5 s), which a command checking its data needs
+# not (tests/test_data.py holds this list to torchvision's).
+IDX_CLASSES = ("EMNIST", "FashionMNIST", "KMNIST", "MNIST", "QMNIST")
+
+
+def check_idx_class(data: DataConfig) -> None:
+    """`data.torchvision` is one of IDX_CLASSES, or DataError naming them."""
+    if data.torchvision not in IDX_CLASSES:
+        raise DataError(f"data.torchvision={data.torchvision!r}; valid for data.kind=idx: {', '.join(IDX_CLASSES)}")
+
+
 def torchvision_class(data: DataConfig) -> type:
     """`data.torchvision` as a class of torchvision.datasets that reads four IDX files (MNIST and its kin)."""
+    check_idx_class(data)
     import torchvision.datasets
 
-    cls = getattr(torchvision.datasets, data.torchvision, None)
-    if not (isinstance(cls, type) and issubclass(cls, torchvision.datasets.MNIST)):
-        valid = sorted(n for n, c in vars(torchvision.datasets).items()
-                       if isinstance(c, type) and issubclass(c, torchvision.datasets.MNIST))
-        raise DataError(f"data.torchvision={data.torchvision!r}; valid for data.kind=idx: {', '.join(valid)}")
-    return cls
+    return getattr(torchvision.datasets, data.torchvision)
 
 
 def _from_torchvision(staging: Path, data: DataConfig) -> None:
@@ -207,7 +215,7 @@ def _from_debian_deb(staging: Path, root: Path, spec: DebianSource) -> Path:
 def ensure_data(data: DataConfig) -> Path:
     """Return the verified raw folder of `data` under its root, building it from the first source that
     works. Files already present are verified, never replaced: a corrupted file is an error."""
-    torchvision_class(data)
+    check_idx_class(data)
     root = Path(data.root).expanduser().resolve()
     target = raw_dir(data)
     tried = []
