@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchvision.models.resnet import BasicBlock
 
 from gaexp import norms, targets
 from gaexp.task.build import make as make_task
@@ -69,8 +70,6 @@ class ResNet20(nn.Module):
     BLOCKS = 3
 
     def __init__(self, norm_layer: NormLayer, in_channels: int = 1, num_classes: int = 10) -> None:
-        from torchvision.models.resnet import BasicBlock  # here: torchvision's models import torch._dynamo (1.4 s)
-
         super().__init__()
         width = self.STAGES[0]
         self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False), norm_layer(width),
