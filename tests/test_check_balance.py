@@ -9,6 +9,7 @@ import torch
 
 from gaexp.check.balance import Balanced, rows_at
 from gaexp.data.batches import micro_batches
+from gaexp.task import STEP
 from gaexp.task.lm import LanguageModel
 from gaexp.train import accumulate
 from tests.test_task import SEED, close, corpus, moe
@@ -28,7 +29,7 @@ def wrapper_gradient(task: LanguageModel, order: list[int]) -> tuple[torch.Tenso
     aux_loss / K)."""
     net, data = moe(), corpus()
     tokens, targets = data.batch(next(micro_batches(len(data), B * K, SEED)))
-    wrapped = Balanced(net, task, tokens, targets)
+    wrapped = Balanced(net, task, tokens, targets, task.normalization == STEP)
     aux = torch.zeros((), dtype=torch.float64)
     for j in order:
         rows = slice(j * B, (j + 1) * B)
@@ -56,7 +57,7 @@ def test_the_wrapped_whole_step_is_the_big_batchs(balance):
     task = LanguageModel("step_token_mean", balance, coef=1.0)
     net, data = moe(), corpus()
     tokens, targets = data.batch(next(micro_batches(len(data), B * K, SEED)))
-    out = Balanced(net, task, tokens, targets)(tokens, targets)
+    out = Balanced(net, task, tokens, targets, task.normalization == STEP)(tokens, targets)
     out["loss"].backward()
     assert close(torch.cat([p.grad.flatten() for p in net.parameters()]), loop_gradient(task, B * K, 1))
     assert out["aux_loss"].item() > 0

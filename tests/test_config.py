@@ -320,7 +320,7 @@ WING = {name: [*(f"{name}.{m}" for m in modules), name] for name, modules in {  
     "progress": ("cost", "account", "sweep", "live", "status", "__main__"),
     "analysis": ("columns", "collection", "stats", "figures", "tables", "reporting", "__main__")}.items()}
 CHECK = ("errors", "evidence", "trees", "state", "recorder", "loss", "numerics", "report", "randomness", "step",
-         "coupling", "terms", "remedies", "accumulation", "hf", "first_step", "hf_callback",
+         "coupling", "terms", "remedies", "accumulation", "balance", "hf", "first_step", "hf_callback",
          "lightning_callback")  # the check wing, bottom up (gaexp/check/__init__.py)
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [

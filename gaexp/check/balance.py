@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from gaexp.check.recorder import detached_copy
-from gaexp.task import STEP
 
 
 def rows_at(step: torch.Tensor, rows: torch.Tensor) -> int | None:
@@ -43,11 +42,11 @@ class Balanced(nn.Module):
     """`model` under `task` (a LanguageModel with a balance), on the step of `tokens` and `targets`:
     `forward(tokens, labels)` returns {"loss", "logits", "aux_loss"}: what the loop adds up for that micro-batch of
     k, times k (the check scales each micro-batch's loss by 1/k), the loss over the step's count where the task
-    normalizes by it (step_token_mean)."""
+    normalizes by it (`by_step`: step_token_mean)."""
 
-    def __init__(self, model: nn.Module, task, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, task, tokens: torch.Tensor, targets: torch.Tensor, by_step: bool) -> None:
         super().__init__()
-        self.model, self.task = model, task
+        self.model, self.task, self.by_step = model, task, by_step  # by_step: the task's loss over the step's count
         self.register_buffer("step_tokens", tokens, persistent=False)
         self.register_buffer("step_targets", targets, persistent=False)
         task.attach(model)
@@ -75,7 +74,7 @@ class Balanced(nn.Module):
             task.step_fractions, task.step_tokens = list(chosen / count), count
         share = task.balance_term(labels, before, k)  # the loop's, for micro-batch a/m of k
         loss = task.loss(logits, labels)
-        if task.normalization == STEP:  # the loop's sum over the step's count, with its share of the balance
+        if self.by_step:  # the loop's sum over the step's count, with its share of the balance
             loss = (loss / task.count(self.step_targets if k > 1 else labels) + share) * k
         else:  # the loop's micro-batch mean over k, with its share of the balance
             loss = loss + share * k

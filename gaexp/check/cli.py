@@ -483,7 +483,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
         else:
             inputs, labels = make_data(subject, args, device)
         if subject.lm is not None and subject.lm.balance != "none":  # the model's loss, its balancing term apart
-            subject = replace(subject, model=Balanced(subject.model, subject.lm, inputs, labels))
+            subject = replace(subject, model=Balanced(subject.model, subject.lm, inputs, labels,
+                                                      by_step=subject.lm.normalization == STEP))
             inputs, loss, count = {"tokens": inputs, "labels": labels}, MODEL_LOSS, False
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
                                     num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
