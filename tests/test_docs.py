@@ -450,7 +450,8 @@ def test_the_example_that_reloads_a_model_runs_on_a_trained_cell(tmp_path, gaexp
     out = tmp_path / "outputs"
     out.mkdir()
     (out / "data").symlink_to(data_root)
-    done = gaexp_command(out, "norm=bn", "regime=bs1a16", "seed=1", "data.holdout=0")  # the example's test set
+    done = gaexp_command(out, "norm=bn", "regime=bs1a16", "seed=1", "data.holdout=0",  # the example's test set
+                         "train.eval_period=4")  # evaluated once, at the step the example reloads
     assert done.returncode == 0, done.stderr[-2000:]
     ran = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stderr[-2000:]

@@ -18,7 +18,8 @@ def test_gaexp_tuned_reruns_the_best_trials_protocol_on_its_dataset(tmp_path, ga
     and device only. Now the reruns are the best trial's own overrides, with the test set and the seeds."""
     proc = gaexp_command(tmp_path, *study_args(tmp_path), "data=fashion_mnist", f"data.root={fashion_root}",
                          "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", f"data.holdout={HOLDOUT}",
-                         "train.lr=tag(log, interval(1e-4, 1e-2))", "hydra.sweeper.sampler.seed=3")
+                         "train.lr=tag(log, interval(1e-4, 1e-2))", "hydra.sweeper.sampler.seed=3",
+                         "train.eval_period=20")  # one evaluation a cell: the reruns' are of the 10,000 test images
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     best = study_of(tmp_path, "t").best_trial
     tuned = subprocess.run([sys.executable, "-m", "gaexp.tuning", "--run", "--tracking-uri",
