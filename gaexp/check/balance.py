@@ -72,7 +72,7 @@ class Balanced(nn.Module):
         if task.balance == "global" and k == 1:  # one batch of one: its own fractions, as the big batch counts them
             chosen, count = task.counts(labels)
             task.step_fractions, task.step_tokens = list(chosen / count), count
-        share = task.balance_term(labels, before, k)  # the loop's, for micro-batch a/m of k
+        share, _ = task.balance_term(labels, before, k)  # the loop's, for micro-batch a/m of k
         loss = task.loss(logits, labels)
         if self.by_step:  # the loop's sum over the step's count, with its share of the balance
             loss = (loss / task.count(self.step_targets if k > 1 else labels) + share) * k

@@ -81,23 +81,22 @@ class LanguageModel(Task):
         return found
 
     def begin_step(self, forward: torch.nn.Module, batches) -> None:
-        counts, tokens = None, 0  # one forward of the step's micro-batches, without a graph
+        counts, tokens = 0, 0  # one forward of the step's micro-batches, without a graph
         for inputs, targets in batches:
             forward(inputs)
-            found = [c.sum(0) for _, c in self.routing(targets)]
-            counts = found if counts is None else [a + b for a, b in zip(counts, found)]
-            tokens = tokens + self.count(targets)
-        self.step_fractions, self.step_tokens = [c / tokens for c in counts], tokens
+            found, n = self.counts(targets)
+            counts, tokens = counts + found, tokens + n
+        self.step_fractions, self.step_tokens = list(counts / tokens), tokens
 
     def counts(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last forward's routings over these targets' predicted tokens: each MoE layer's count per expert
         [layers, experts], and the tokens."""
         return torch.stack([c.sum(0) for _, c in self.routing(targets)]), self.count(targets)
 
-    def balance_term(self, targets: torch.Tensor, before: tuple = (0, 0), parts: int = 1) -> torch.Tensor:
+    def balance_term(self, targets: torch.Tensor, before: tuple = (0, 0), parts: int = 1) -> tuple[torch.Tensor, tuple]:
         """The balancing term of the micro-batch whose targets these are, from its last forward, normalized as the
         loop's micro-batch of `parts`: `micro`, its own fractions; `global`, the step's (`begin_step`); `running`,
-        the counts (`counts`) of the step's micro-batches `before` it plus its own."""
+        the counts (`counts`) of the step's micro-batches `before` it plus its own; and those counts with its own."""
         found, n = [(p.sum(0), c.sum(0)) for p, c in self.routing(targets)], self.count(targets)
         chosen_so_far, tokens_so_far = before[0] + torch.stack([c for _, c in found]), before[1] + n
         terms = []
@@ -108,16 +107,14 @@ class LanguageModel(Task):
                 continue
             fractions = chosen / n if self.balance == "micro" else chosen_so_far[layer] / tokens_so_far
             terms.append(experts * (fractions * probs / n).sum() / parts)
-        return self.coef * torch.stack(terms).mean()
+        return self.coef * torch.stack(terms).mean(), (chosen_so_far, tokens_so_far)
 
     def extra(self, targets: torch.Tensor, part: int, parts: int) -> torch.Tensor | None:
         if self.balance == "none":
             return None
         if part == 0:
             self.before = (0, 0)
-        term = self.balance_term(targets, self.before, parts)
-        chosen, n = self.counts(targets)
-        self.before = (self.before[0] + chosen, self.before[1] + n)
+        term, self.before = self.balance_term(targets, self.before, parts)
         return term
 
     def chunked_extra(self, targets: torch.Tensor, parts: int) -> torch.Tensor | None:
