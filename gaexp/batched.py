@@ -29,7 +29,7 @@ from gaexp.data.batches import Draw, Split
 from gaexp.model import ZeroPadShortcut
 from gaexp.norms import COUPLES
 from gaexp.precision import Precision
-from gaexp.task import MICRO, Task
+from gaexp.task import Task
 from gaexp.task.classify import Classify
 
 # Layers that compute each sample from that sample alone, in training as in evaluation.
@@ -108,7 +108,8 @@ def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[Draw], n
                        chunking: Chunking) -> torch.Tensor:
     """The loop's step (gaexp/train.py `accumulate`) in one pass: the next `num_accum` micro-batches' samples,
     in order, one forward (coupling layers chunked) and one backward of the step's loss as `task` normalizes it
-    (gaexp/task/: the mean of the k micro-batches' means, `chunked_loss`, or the sum over the step's count), under
+    (gaexp/task/ `step_loss`: the mean of the k micro-batches' means, the sum over the step's count, or a loss of
+    the whole step's outputs; a coupling layer's chunk is a micro-batch's rows, `Chunking`'s b), under
     `precision` (its autocast and loss scale; the sum over the step's samples is the backward's own, so bf16
     weights with accumulate_in=param are the loop's alone: gaexp/engine.py); returns that loss as a device tensor
     (no host synchronization)."""
@@ -116,9 +117,7 @@ def accumulate_batched(model: nn.Module, data: Split, batches: Iterator[Draw], n
     task = task or Classify()
     inputs, targets = data.batch(Draw.cat([next(batches) for _ in range(num_accum)]))
     with chunking, precision.forward():
-        outputs = model(inputs)
-        loss = (task.chunked_loss(outputs, targets, num_accum) if task.normalization == MICRO
-                else task.loss(outputs, targets) / task.count(targets))
+        loss = task.step_loss(model(inputs), targets, num_accum)
         extra = task.chunked_extra(targets, num_accum)  # an MoE's balancing loss over the k micro-batches
     precision.backward(loss if extra is None else loss + extra)
     return loss.detach()

@@ -97,19 +97,21 @@ def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int],
     available, where = found
     try:
         job = make_task(c.task)
-        per_sample = sample_bytes(model, *job.probe(shape, 0)[:2], job.loss)
+        per_sample = sample_bytes(model, *job.probe(shape, 0)[:2], job.loss) * job.views
     except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
         return
     b, k = c.regime.batch_size, c.regime.num_accum
-    batched = (accumulate or c.accumulate) == engine.BATCHED
+    chosen = accumulate or c.accumulate  # batched, and the loop of a loss over the step's outputs, hold the step
+    batched = chosen == engine.BATCHED or (chosen == engine.LOOP and job.whole_outputs and k > 1)
     held, steps = (b * k if batched else b), c.train.num_iterations
     data = data_bytes(c.data, shape)
     weights = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients, Adam's moments
     # each part: (what it is, its bytes, bytes per unit of the key that sets it, that key, what is valid: {} the
     # most units that fit)
+    lighter = "cached" if job.whole_outputs else "loop"  # the engine that holds one micro-batch
     parts = [(f"{held:,} samples x {size_text(per_sample)} of activations", held * per_sample, per_sample,
-              f"regime.batch_size={b} regime.num_accum={k} accumulate=batched" if batched else f"regime.batch_size={b}",
-              "regime.batch_size x regime.num_accum <= {} (or accumulate=loop, which holds regime.batch_size "
+              f"regime.batch_size={b} regime.num_accum={k} accumulate={chosen}" if batched else f"regime.batch_size={b}",
+              f"regime.batch_size x regime.num_accum <= {{}} (or accumulate={lighter}, which holds regime.batch_size "
               "samples)" if batched else "regime.batch_size <= {}"),
              (f"{size_text(4 * steps)} recording {steps:,} steps' losses", 4 * steps, 4,
               f"train.num_iterations={steps}", "train.num_iterations <= {}"),
@@ -157,7 +159,8 @@ def validate(cfg: DictConfig) -> tuple[Config, engine.Choice]:
         trial.require_objective(c.train.num_iterations, c.analysis)
     size = training_size(c.data)
     choice = engine.choose(c.accumulate, model, c.regime.batch_size, c.regime.num_accum, size,
-                           lambda e: memory_problem(c, model, shape, device, e), c.precision)
+                           lambda e: memory_problem(c, model, shape, device, e), c.precision, make_task(c.task),
+                           c.regime.replicas)
     c = dataclasses.replace(c, accumulate=choice.engine)
     if size is not None:
         validate_split(c, size)
@@ -217,6 +220,7 @@ def build(c: Config, dataset: Dataset, device: torch.device) -> tuple[torch.nn.M
     """The data on `device` (validation: the test set, or images held out of training), and the model for its
     shape and classes, initialized from the seed; both in the weights' dtype (precision.weights)."""
     train_data, valid_data = splits(dataset, c.data.holdout, device)
+    train_data = make_task(c.task).training_split(train_data)  # a contrastive task's: two views of each image
     torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
     model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
     dtype = precision.DTYPES[c.precision.weights]
@@ -228,13 +232,14 @@ def build(c: Config, dataset: Dataset, device: torch.device) -> tuple[torch.nn.M
 
 def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
                    device: torch.device, job: Task) -> dict[str, float]:
-    """MiB autograd saves for one micro-batch (`activation_mb`: what the loop holds, whichever engine runs:
-    the study's memory column) and, for accumulate=batched, for the b*k samples of a step
-    (`batched_activation_mb`); then the process peaks start from here."""
+    """MiB autograd saves for one micro-batch (`activation_mb`: what the loop and the cached engine hold, whichever
+    engine runs: the study's memory column) and, for an engine that holds the b*k samples of a step (batched; the
+    loop of a loss over the step's outputs), for those (`batched_activation_mb`); then the process peaks start from
+    here."""
     b, n = regime.batch_size, regime.batch_size * regime.num_accum
     first = (data.batch(Draw(torch.arange(size, device=data.labels.device))) for size in (b, n))
     memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, *next(first), job.loss) / 2**20}
-    if engine == "batched":
+    if engine == "batched" or (engine == "loop" and job.whole_outputs and n > b):
         memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, *next(first), job.loss) / 2**20
     reset_peak_rss()
     if device.type == "cuda":
@@ -382,7 +387,8 @@ def follow(c: Config, choice: engine.Choice, group: replicas.Replicas) -> float:
             torch.cuda.set_device(group.device)
         model, train_data, _ = build(c, open_dataset(c.data, progress=False), group.device)
         c = dataclasses.replace(c, accumulate=engine.within_split(choice, c.regime.batch_size, c.regime.num_accum,
-                                                                  len(train_data)).engine)  # rank 0's engine
+                                                                  len(train_data), make_task(c.task),
+                                                                  c.regime.replicas).engine)  # rank 0's engine
         train(model, train_data, None, c.train, step_plan(c, group.device, group), make_task(c.task))
     except Exception as e:  # noqa: BLE001 - rank 0 names it in the cell's run; a task that raised would stop a sweep
         log.exception("replica %d of %d failed", group.rank, group.world)
@@ -463,7 +469,8 @@ def lead(cfg: DictConfig, c: Config, choice: engine.Choice, device: torch.device
     if done is not None:
         return finished_value(c, client, done)
     model, train_data, valid_data = build(c, dataset, device)
-    choice = engine.within_split(choice, c.regime.batch_size, c.regime.num_accum, len(train_data))
+    choice = engine.within_split(choice, c.regime.batch_size, c.regime.num_accum, len(train_data), make_task(c.task),
+                                 c.regime.replicas)
     c = dataclasses.replace(c, accumulate=choice.engine)
     if (line := engine.notice(choice, c.run_name)) is not None:
         log.warning("%s", line)

@@ -2,13 +2,18 @@
 
 auto takes the batched engine (gaexp/batched.py: the step's b*k samples in one pass) where it computes the
 loop's step: every layer that couples the samples of a batch is one it chunks exactly, the b*k samples are
-within the training split, and a step's memory with b*k samples held at once fits this machine. Otherwise the
-loop (gaexp/train.py `accumulate`), with one line saying why. `loop` and `batched` are taken as given (batched
-still refuses what it cannot compute exactly).
+within the training split, and a step's memory with b*k samples held at once fits this machine. Otherwise, for a
+loss over the whole step's outputs (a task's OUTPUTS: a contrastive task's negatives=step) over k > 1
+micro-batches, the cached engine (gaexp/cached.py), which holds one micro-batch's activations where the loop would
+hold the step's; otherwise the loop (gaexp/train.py `accumulate`). Either fallback says why in one line. `loop`,
+`batched` and `cached` are taken as given (each still refuses what it cannot compute exactly: a model batched
+cannot chunk; for cached, a loss that reads the model beyond its outputs, and replicas).
 
 A run records the engine it used (its `accumulate` param and tag), and that engine is part of its protocol key:
-the two engines agree within seed noise but not bit for bit, so their runs never pool silently. Under auto a
-cell FINISHED by either engine counts as done (`keys`): a loop store from before auto resumes with no rerun.
+the engines agree within seed noise but not bit for bit, so their runs never pool silently. Under auto a
+cell FINISHED by any engine counts as done (`keys`): a loop store from before auto resumes with no rerun. The
+engines compute one objective: whose negatives a contrastive loss counts is the task's key (task.negatives), not
+an engine's, so two engines' runs of a cell never differ in what they optimize.
 """
 
 from __future__ import annotations
@@ -20,19 +25,20 @@ from torch import nn
 
 from gaexp.batched import UnchunkableError, coupled_layers
 from gaexp.config import AUTO_ENGINE, ENGINES, PrecisionConfig
+from gaexp.task import Task
 
-LOOP, BATCHED = ENGINES
+LOOP, BATCHED, CACHED = ENGINES
 
 
 @dataclass(frozen=True)
 class Choice:
     engine: str  # loop or batched: what computes the run's steps
     setting: str  # what the config asked: loop, batched or auto
-    reason: str = ""  # auto's fallback to the loop: why (one line)
+    reason: str = ""  # auto's fallback to the loop or the cached engine: why not batched (one line)
 
     @property
     def fell_back(self) -> bool:
-        return self.setting == AUTO_ENGINE and self.engine == LOOP
+        return self.setting == AUTO_ENGINE and self.engine != BATCHED
 
 
 def loop_only(precision: PrecisionConfig, num_accum: int) -> str | None:
@@ -45,49 +51,70 @@ def loop_only(precision: PrecisionConfig, num_accum: int) -> str | None:
     return None
 
 
+def cached_problem(task: Task | None, replicas: int) -> str | None:
+    """Why the cached engine cannot compute this step exactly, or None: a loss that reads the model beyond its
+    outputs (an MoE's balancing term reads the router's forward, which the loss on cached outputs never sees), or
+    replicas (each would cache only its own share of the step's outputs)."""
+    if task is not None and task.reads_model:
+        return ("its loss reads the model beyond its outputs (task.balance: the router's forward), and the cached "
+                "engine computes the loss from the step's outputs alone")
+    if replicas > 1:
+        return (f"regime.replicas={replicas}: each replica would cache only its own share of the step's outputs")
+    return None
+
+
 def choose(setting: str, model: nn.Module, batch_size: int, num_accum: int, split: int | None,
-           memory_problem: Callable[[str], str | None], precision: PrecisionConfig | None = None) -> Choice:
-    """The engine for `setting` (loop, batched, auto); `split`: the training images the batches are drawn from
-    (None: not known yet, `within_split` checks it once read); `memory_problem(engine)`: None when a step of
+           memory_problem: Callable[[str], str | None], precision: PrecisionConfig | None = None,
+           task: Task | None = None, replicas: int = 1) -> Choice:
+    """The engine for `setting` (loop, batched, cached, auto); `split`: the training images the batches are drawn
+    from (None: not known yet, `within_split` checks it once read); `memory_problem(engine)`: None when a step of
     that engine fits this machine, else the one-line reason; `precision`: what only the loop computes
-    (`loop_only`) is refused for batched and falls back under auto. For loop and batched, their own checks
-    refuse what they cannot run (gaexp/cell.py)."""
+    (`loop_only`) is refused for batched and falls back under auto; `task`: a loss over the whole step's outputs
+    falls back to the cached engine, and one that reads the model is refused by it. For loop and batched, their
+    own checks refuse what they cannot run (gaexp/cell.py)."""
     only = loop_only(precision, num_accum) if precision is not None else None
     if setting == BATCHED and only:
         raise ValueError(f"accumulate=batched: {only}; valid: accumulate=loop or auto, or "
                          "precision.accumulate_in=fp32 (summed in float32, as the batched engine computes)")
+    cached = cached_problem(task, replicas)
+    if setting == CACHED and cached:
+        raise ValueError(f"accumulate=cached: {cached}; valid: accumulate=loop, batched or auto")
     if setting != AUTO_ENGINE:
         return Choice(setting, setting)
+    fallback = CACHED if task is not None and task.whole_outputs and num_accum > 1 and cached is None else LOOP
     if only:
         return Choice(LOOP, setting, only)
     try:
         coupled_layers(model)
     except UnchunkableError as e:
-        return Choice(LOOP, setting, str(e).removeprefix("accumulate=batched: ").removesuffix("; run accumulate=loop"))
+        return Choice(fallback, setting,
+                      str(e).removeprefix("accumulate=batched: ").removesuffix("; run accumulate=loop"))
     n = batch_size * num_accum
     if split is not None and n > split:
-        return Choice(LOOP, setting, f"a step's {batch_size} x {num_accum} samples are more than the {split:,} "
-                                     "training images")
+        return Choice(fallback, setting, f"a step's {batch_size} x {num_accum} samples are more than the {split:,} "
+                                         "training images")
     problem = memory_problem(BATCHED)
     if problem is not None:
-        return Choice(LOOP, setting, f"a step's {n:,} samples at once do not fit: {problem}")
+        return Choice(fallback, setting, f"a step's {n:,} samples at once do not fit: {problem}")
     return Choice(BATCHED, setting)
 
 
-def within_split(choice: Choice, batch_size: int, num_accum: int, split: int) -> Choice:
-    """`choice` once the training split's size is known: auto's batched engine falls back to the loop where
-    the b*k samples of a step are more than the split holds."""
+def within_split(choice: Choice, batch_size: int, num_accum: int, split: int, task: Task | None = None,
+                 replicas: int = 1) -> Choice:
+    """`choice` once the training split's size is known: auto's batched engine falls back (to the cached engine
+    or the loop, as `choose` would) where the b*k samples of a step are more than the split holds."""
     if choice.setting == AUTO_ENGINE and choice.engine == BATCHED and batch_size * num_accum > split:
-        return Choice(LOOP, choice.setting, f"a step's {batch_size} x {num_accum} samples are more than the "
-                                            f"{split:,} training images")
+        return choose(AUTO_ENGINE, nn.Identity(), batch_size, num_accum, split, lambda e: None, task=task,
+                      replicas=replicas)
     return choice
 
 
 def notice(choice: Choice, run_name: str) -> str | None:
-    """The one line a run prints when auto fell back to the loop."""
+    """The one line a run prints when auto fell back to the loop or the cached engine."""
     if not choice.fell_back:
         return None
-    return f"{run_name}: accumulate=auto trains with the loop: {choice.reason}"
+    engine = "the loop" if choice.engine == LOOP else "the cached engine"
+    return f"{run_name}: accumulate=auto trains with {engine}: {choice.reason}"
 
 
 def keys(resolved: Mapping[str, Any], choice: Choice, protocol_key: Callable[[Mapping[str, Any]], str]) -> list[str]:

@@ -43,8 +43,9 @@ SAMPLES_PER_SEC = Metric("samples_per_sec", RESOURCE, "training samples per seco
 TOKENS_PER_SEC = Metric("tokens_per_sec", RESOURCE, "language model: predicted tokens trained per second, evaluations "
                                                     "excluded", True)
 WALL_SECONDS = Metric("wall_seconds", RESOURCE, "seconds from the first step to the last evaluation", True)
-BATCHED_ACTIVATION_MB = Metric("batched_activation_mb", RESOURCE, "accumulate=batched: MiB autograd saves for the "
-                                                                  "b*k samples of a step")
+BATCHED_ACTIVATION_MB = Metric("batched_activation_mb", RESOURCE, "MiB autograd saves for the b*k samples of a step: "
+                                                                  "what accumulate=batched holds, and the loop of a "
+                                                                  "loss over the step's outputs")
 BATCHED_PEAK_RSS_MB = Metric("batched_peak_rss_mb", RESOURCE, "accumulate=batched: peak_rss_mb", True)
 BATCHED_CUDA_MAX_MEM_MB = Metric("batched_cuda_max_mem_mb", RESOURCE, "accumulate=batched: cuda_max_mem_mb", True)
 LOSS_SCALE = Metric("loss_scale", EVALUATION, "the GradScaler's loss scale at each evaluation", only=SCALER)

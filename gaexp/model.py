@@ -156,7 +156,7 @@ def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> tor
     (norm.groups), and a batch of the data's `shape` gives one logit per class; returns the model so checked
     (for further checks), the global RNG left as it was."""
     make = load(c.model.target)
-    channels = norm_channels(make, shape[0], num_classes, c.model.target)
+    channels = norm_channels(make, shape[0], make_task(c.task).width(num_classes), c.model.target)
     norms.require_channels(c.norm.options(), channels, c.model.name)
     norms.require_layer(c.norm, channels)
     with torch.random.fork_rng(devices=[]):
@@ -168,6 +168,9 @@ def check_model(c: Config, shape: tuple[int, int, int], num_classes: int) -> tor
 def make_model(c: Config, in_channels: int, num_classes: int,
                make: Callable[..., torch.nn.Module] | None = None) -> torch.nn.Module:
     """The cell's model for images of `in_channels` and `num_classes` classes (the dataset's), initialized from
-    the global RNG (`build` seeds it); `make`: the builder, if already loaded from model.target."""
-    return call_builder(make or load(c.model.target), c.model.target, norm_layer=norms.norm_layer(c.norm),
-                        in_channels=in_channels, num_classes=num_classes)
+    the global RNG (`build` seeds it); `make`: the builder, if already loaded from model.target. The task makes
+    the module trained of the network (a contrastive task: the network, its output the representation, and a
+    projection head)."""
+    task = make_task(c.task)
+    return task.model(call_builder(make or load(c.model.target), c.model.target, norm_layer=norms.norm_layer(c.norm),
+                                   in_channels=in_channels, num_classes=task.width(num_classes)))

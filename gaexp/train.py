@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from gaexp.batched import Chunking, accumulate_batched
+from gaexp.cached import accumulate_cached
 from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
 from gaexp.data.batches import Draw, Split, counted, micro_batches
 from gaexp.hooks import EvalPoint, Hook
@@ -107,6 +108,8 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     """
     precision = precision or Precision.float32()
     draws = [next(batches) for _ in range(num_accum)]
+    if task.whole_outputs:
+        return held_step(model, data, draws, precision, task)
     whole = [data.batch(d) for d in draws] if task.whole_step else None  # made once, where the task reads the step
     count = None if task.normalization == MICRO else sum(task.count(targets) for _, targets in whole)
     if task.step_pass:
@@ -125,15 +128,35 @@ def accumulate(model: torch.nn.Module, data: Split, batches: Iterator[Draw], num
     return total / num_accum if count is None else total / count
 
 
-def step_function(engine: str, model: torch.nn.Module, batch_size: int) -> Callable[..., torch.Tensor]:
+def held_step(model: torch.nn.Module, data: Split, draws: Sequence[Draw], precision: Precision, task: Task
+              ) -> torch.Tensor:
+    """The loop's step of a loss over the whole step's outputs (OUTPUTS: a contrastive task's negatives=step): each
+    micro-batch forward in turn, every graph held, then the step's one loss and one backward (the step's memory;
+    accumulate=cached computes the same at one micro-batch's, gaexp/cached.py)."""
+    outputs, targets = [], []
+    for draw in draws:
+        inputs, target = data.batch(draw)
+        with precision.forward():
+            outputs.append(model(inputs))
+        targets.append(target)
+    with precision.forward():
+        loss = task.loss(torch.cat(outputs), torch.cat(targets))
+    precision.backward(loss)
+    return loss.detach()
+
+
+def step_function(engine: str, model: torch.nn.Module, batch_size: int, views: int = 1) -> Callable[..., torch.Tensor]:
     """What computes an optimizer step's gradient for `accumulate=engine`, called as `accumulate` is:
     loop, `accumulate` (under DDP, `no_sync` until the step's last micro-batch); batched, `accumulate_batched` with
-    the model's coupling layers chunked by `batch_size` (gaexp/batched.py; a model it cannot chunk exactly is
-    refused): one backward, so under DDP one all-reduce, as it is."""
+    the model's coupling layers chunked by a micro-batch's rows, `batch_size` times the task's `views`
+    (gaexp/batched.py; a model it cannot chunk exactly is refused): one backward, so under DDP one all-reduce, as it
+    is; cached, `accumulate_cached` (gaexp/cached.py): a loss over the step's outputs at one micro-batch's memory."""
     if engine == "loop":
         return accumulate
     if engine == "batched":
-        return functools.partial(accumulate_batched, chunking=Chunking(model, batch_size))
+        return functools.partial(accumulate_batched, chunking=Chunking(model, batch_size * views))
+    if engine == "cached":
+        return accumulate_cached
     raise ValueError(f"accumulate={engine!r}; valid: {', '.join(ENGINES)}")
 
 
@@ -175,7 +198,8 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
     precision = plan.precision or Precision.float32()
     precision.prepare(model)
     task.attach(model)
-    gradient = step_function(plan.engine, model, regime.batch_size)
+    task.prepare(train_data)
+    gradient = step_function(plan.engine, model, regime.batch_size, task.views)
     batches = micro_batches(len(train_data), regime.batch_size, plan.seed, train_data.augment, train_data.labels.device)
     items = [0]  # every replica's items drawn so far, where the task has a speed of its own (a language model's tokens)
     batches = counted(batches, train_data, items) if task.speed is not None else batches

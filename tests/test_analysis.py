@@ -278,7 +278,7 @@ def test_studies_are_config_files():
     assert fixes.norm_order[:4] == ["bn", "in", "ln", "in_affine"] and fixes.baselines == STUDY.baselines
     assert load_study("precision").baselines == ["bn/bs16a1", "gn4/bs1a16"]  # the study's best norm there ran gn4
     assert load_study("dp").table_columns == ["bs16a1", "bs1a16", "bs4a4", "bs8a2", "w2b8a1", "w4b4a1", "w2b4a2", "w4b1a4"]
-    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'dp', 'lm', 'moe', 'precision', 'spec', 'spec_cifar10', 'spec_resnet20', 'tune_lr'\]"):
+    with pytest.raises(AnalysisError, match=r"--study 'nope': no file .*nope.yaml; valid: \['bn_fixes', 'contrastive', 'dp', 'lm', 'moe', 'precision', 'spec', 'spec_cifar10', 'spec_resnet20', 'tune_lr'\]"):
         load_study("nope")
 
 

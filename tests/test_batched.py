@@ -306,5 +306,5 @@ def test_the_engines_by_name():
     net = build("bn", 4, 4, float64=False)
     assert step_function("loop", net, 4) is accumulate
     assert step_function("batched", net, 4).func is accumulate_batched
-    with pytest.raises(ValueError, match=r"^accumulate='ghost'; valid: loop, batched$"):
+    with pytest.raises(ValueError, match=r"^accumulate='ghost'; valid: loop, batched, cached$"):
         step_function("ghost", net, 4)

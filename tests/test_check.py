@@ -887,3 +887,40 @@ def test_the_checks_language_model_evidence_is_the_studys_table():
         diff, ci = against.split(" ", 1)
         assert f"| {choice} | {regime} | {diff} | {ci} | " in results and f"| {verdict} |" in results
         assert f"| {choice} | 2.104 | {loss:.3f} | " in results
+
+
+@pytest.mark.parametrize("negatives, norm, expected", [("micro", "gn4", UNSAFE), ("step", "gn4", SAFE),
+                                                       ("step", "none", SAFE), ("step", "bn", UNSAFE)])
+def test_gaexps_contrastive_model_gets_the_verdict_its_negatives_and_norm_imply(negatives, norm, expected, data_root):
+    """task=contrastive on MNIST's views: each micro-batch's own negatives are named as the coupling, with the
+    config's remedy (the step's negatives under the cached engine) and the study's figures; the step's negatives, as
+    the cached engine computes them, are the big batch's step with a per-sample norm, and with BatchNorm are not,
+    BatchNorm named (each micro-batch's statistics, in both passes)."""
+    status, text = run([f"model=simple", f"norm={norm}", "task=contrastive", f"task.negatives={negatives}",
+                        "--data", "mnist", "--data-root", str(data_root)])
+    assert status == expected, text
+    assert text.startswith(f"gaexp-check model=simple norm={norm} task=contrastive task.negatives={negatives}: mnist's "
+                           "first 8 training images (seed 0), two views each: 16 rows")
+    assert "not tested" not in text, text
+    if negatives == "micro":
+        assert "the loss couples the samples of a batch" in text and "modules coupling the samples of a batch: none" in text
+        assert "  task.negatives=step accumulate=cached: the step's negatives, exact at one micro-batch's" in text
+        from gaexp.check.evidence import CONTRASTIVE_NEGATIVES
+        for row, regime, accuracy, against, verdict in CONTRASTIVE_NEGATIVES:
+            assert f"{row} at {regime}, k-NN accuracy {accuracy:.2f}%, {against} points" in text
+    elif expected == SAFE:
+        assert re.search(r"^gradient: relative difference \S+ over all parameters$", text, re.M), text
+        assert "BatchNorm" not in text
+    else:
+        assert "4 BatchNorm2d modules couple the samples of a batch" in text
+        assert "the loss couples" not in text  # the cached step's loss is the big batch's: only BatchNorm differs
+
+
+def test_the_checks_contrastive_evidence_is_the_studys_table():
+    """The figures the check cites are docs/results.md's, as the contrastive study's report printed them."""
+    from gaexp.check.evidence import CONTRASTIVE_NEGATIVES
+    results = (REPO / "docs" / "results.md").read_text()
+    for row, regime, accuracy, against, verdict in CONTRASTIVE_NEGATIVES:
+        diff, ci = against.split(" ", 1)
+        assert f"| {row} | {regime} | {diff} | {ci} | " in results and f"| {verdict} |" in results
+        assert re.search(rf"^\| {row} \| [\d.]+ \| {accuracy:.2f} \|$", results, re.M), row

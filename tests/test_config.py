@@ -190,7 +190,7 @@ def test_composition_refuses_wrong_types_and_unknown_keys(case, compose):
 
 RANGE_ERRORS = {
     "batch size": (["regime.batch_size=0"], r"regime.batch_size=0; valid: an integer >= 1"),
-    "engine": (["accumulate=ghost"], r"^accumulate='ghost'; valid: loop, batched, auto$"),
+    "engine": (["accumulate=ghost"], r"^accumulate='ghost'; valid: loop, batched, cached, auto$"),
     "accumulation": (["regime.num_accum=-2"], r"regime.num_accum=-2; valid: an integer >= 1"),
     "iterations": (["train.num_iterations=0"], r"train.num_iterations=0; valid: an integer >= 1"),
     "eval period": (["train.eval_period=0"], r"train.eval_period=0; valid: an integer >= 1"),
@@ -235,7 +235,9 @@ def test_runtime_mark_derives_the_protocol_and_the_folder_names(compose):
     assert not {"seed", "device", "device_type", "train.lr", "regime.batch_size", "data.dataset",
                 "data.holdout"} & set(runtime)
     assert "deterministic" in runtime
-    assert PROTOCOL_COLUMNS == ["task.name", "task.loss", "task.balance", "task.balance_coef", "model.name", "model.target", "precision.autocast", "precision.weights",
+    assert PROTOCOL_COLUMNS == ["task.name", "task.loss", "task.balance", "task.balance_coef", "task.negatives",
+                                "task.temperature", "task.features", "task.projection", "task.knn_k", "task.knn_bank",
+                                "model.name", "model.target", "precision.autocast", "precision.weights",
                                 "precision.accumulate_in", "precision.scaler", "precision.name", "device", "device_type", "train.num_iterations", "train.eval_period", "train.lr", "train.loss_window",
                                 "train.eval_batch_size", "accumulate", "data.dataset", "data.size", "data.channels",
                                 "data.mean", "data.std", "data.augment", "data.digest", "data.context", "data.packed",
@@ -320,15 +322,15 @@ WING = {name: [*(f"{name}.{m}" for m in modules), name] for name, modules in {  
     "progress": ("cost", "account", "sweep", "live", "status", "__main__"),
     "analysis": ("columns", "collection", "stats", "figures", "tables", "reporting", "__main__")}.items()}
 CHECK = ("errors", "evidence", "trees", "state", "recorder", "loss", "numerics", "report", "randomness", "step",
-         "coupling", "terms", "remedies", "accumulation", "balance", "hf", "first_step", "hf_callback",
+         "coupling", "terms", "remedies", "accumulation", "balance", "negatives", "hf", "first_step", "hf_callback",
          "lightning_callback")  # the check wing, bottom up (gaexp/check/__init__.py)
 LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA}.tally", f"{GRID}.config",
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
               "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
               "data.custom", "data.text", "data.dataset", "data", "data.__main__", "precision", "task", "task.classify",
-              "task.lm", "task.build", "hooks", "liveness", "faults", "trial", "layers", "gpt",
-              "norms", "model", "memory", "batched", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
+              "task.lm", "task.contrastive", "task.build", "hooks", "liveness", "faults", "trial", "layers", "gpt",
+              "norms", "model", "memory", "batched", "cached", "replicas", "engine", "train", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
               "tools.ui", "compare", "tools.storebench", "tools.bench", "tools.drift", "check.cli", "check.__main__", "tools.zoo", "tools.hf_zoo",
               "tools.gpucheck", "callbacks", "app", "__main__", *FIRST_NAMES]),
@@ -459,7 +461,7 @@ def test_usable_cores_is_the_smallest_of_mask_quota_and_slurm(cpus, quota, slurm
                    "in, in_affine, ln, none; for GroupNorm with 5 groups: norm=gn norm.groups=5"),
     (["-m", "norm=bn,gn4", "regime=bs1a16,w1b2a8"], "regime=w1b2a8: no such regime; valid: bs16a1, bs1a1, bs1a16, "
                                                     "bs4a4, or any bsBaK or wWbBaK (w >= 2); one replica's name is bs2a8"),
-    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, dp, lm, moe, precision, spec, spec_cifar10, spec_resnet20, "
+    (["+experiment=spce"], "+experiment=spce: no such experiment; valid: bn_fixes, contrastive, dp, lm, moe, precision, spec, spec_cifar10, spec_resnet20, "
                            "tune_lr"),
     (["data=cifar"], "data=cifar: no such data; valid: cifar10, cifar100, custom, fashion_mnist, fortunes, imagefolder, mnist, svhn, textfolder"),
     (["norm=gn", "norm.groups=5", "regime.batch_size=2", "regime.num_accum=8", "train.lr=0.1", "data.path=/x",

@@ -138,16 +138,17 @@ def test_a_cell_with_runs_of_both_engines_is_refused_naming_them(tmp_path, compo
 
 def test_under_auto_the_protocol_keys_of_both_engines_count_the_loops_as_recorded_before_auto():
     resolved = {"accumulate": "auto", "seed": 1, "regime": {"batch_size": 4}}
-    auto, batched, loop = (engine.keys(resolved, engine.Choice(e, s), tracking.protocol_key)
-                           for e, s in (("batched", "auto"), ("batched", "batched"), ("loop", "loop")))
+    auto, batched, loop, cached = (engine.keys(resolved, engine.Choice(e, s), tracking.protocol_key)
+                                   for e, s in (("batched", "auto"), ("batched", "batched"), ("loop", "loop"),
+                                                ("cached", "cached")))
     before = tracking.protocol_key({"seed": 1, "regime": {"batch_size": 4}})  # a run from before the key
-    assert auto == [batched[0], loop[0]] and loop == [before] and batched[0] != before
-    assert engine.keys(resolved, engine.Choice("loop", "auto"), tracking.protocol_key) == [before, batched[0]]
+    assert auto == [batched[0], loop[0], cached[0]] and loop == [before] and batched[0] != before != cached[0]
+    assert engine.keys(resolved, engine.Choice("loop", "auto"), tracking.protocol_key) == [before, batched[0], cached[0]]
 
 
 @pytest.mark.parametrize("value", ["Auto", "fast", ""])
 def test_an_unknown_engine_is_refused_naming_the_valid_ones(compose, value):
-    with pytest.raises(ValueError, match=rf"accumulate='{value}'.*valid: loop, batched, auto"):
+    with pytest.raises(ValueError, match=rf"accumulate='{value}'.*valid: loop, batched, cached, auto"):
         cell.validated(compose(*AUTO, f"accumulate={value}"))
 
 

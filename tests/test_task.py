@@ -1,7 +1,7 @@
 """The tasks' arithmetic under accumulation, in float64 on a small decoder and sequences of varied length: the loss
 normalized by the step's token count is the big batch's at any (b, k); the micro-batch token mean is the loop's sum
-of per-micro-batch means, and not the big batch's; the batched engine computes each choice as the loop does; a
-packed corpus makes the token mean exact."""
+of per-micro-batch means, and not the big batch's; the batched and cached engines compute each choice as the loop does
+(the cached engine's two passes serve any loss of the outputs); a packed corpus makes the token mean exact."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gaexp.batched import Chunking, accumulate_batched
+from gaexp.cached import accumulate_cached
 from gaexp.data.batches import micro_batches
 from gaexp.data.text import TextSplit, sequences
 from gaexp.gpt import gpt
@@ -67,7 +68,7 @@ def test_the_corpus_has_sequences_of_varied_length_and_padding_is_never_a_target
     assert targets_all.any()
 
 
-@pytest.mark.parametrize("step", [accumulate, accumulate_batched], ids=["loop", "batched"])
+@pytest.mark.parametrize("step", [accumulate, accumulate_batched, accumulate_cached], ids=["loop", "batched", "cached"])
 def test_the_step_token_mean_at_b_k_is_the_big_batchs_step(step):
     task, data = LanguageModel("step_token_mean"), corpus()
     assert task.normalization == STEP
@@ -78,7 +79,7 @@ def test_the_step_token_mean_at_b_k_is_the_big_batchs_step(step):
         assert abs(got_loss - loss) <= 1e-6 * loss  # the loop sums the micro-batches' losses in float32
 
 
-@pytest.mark.parametrize("step", [accumulate, accumulate_batched], ids=["loop", "batched"])
+@pytest.mark.parametrize("step", [accumulate, accumulate_batched, accumulate_cached], ids=["loop", "batched", "cached"])
 def test_the_token_mean_at_b_k_is_the_mean_of_micro_batch_means_not_the_big_batchs(step):
     task, data = LanguageModel("token_mean"), corpus()
     assert task.normalization == MICRO
@@ -89,7 +90,7 @@ def test_the_token_mean_at_b_k_is_the_mean_of_micro_batch_means_not_the_big_batc
         assert (got - big).norm() > 1e-3 * big.norm()  # short micro-batches' tokens weigh more: not the big batch
 
 
-@pytest.mark.parametrize("step", [accumulate, accumulate_batched], ids=["loop", "batched"])
+@pytest.mark.parametrize("step", [accumulate, accumulate_batched, accumulate_cached], ids=["loop", "batched", "cached"])
 def test_the_sequence_mean_is_exact_under_accumulation(step):
     task, data = LanguageModel("seq_mean"), corpus()
     _, big = gradient(accumulate, data, 16, 1, task)

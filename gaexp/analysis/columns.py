@@ -59,17 +59,24 @@ ACTIVATIONS = (metrics.ACTIVATION_MB.name, metrics.BATCHED_ACTIVATION_MB.name)  
 TASK = column("task.name")  # the protocol column of the runs' task (gaexp/task/): its headline is the report's metric
 
 
+def row_keys(design: AnalysisConfig) -> list[str]:
+    """The keys whose values make the report's rows (`analysis.rows`: one, or two joined by +)."""
+    return design.rows.split("+")
+
+
 def as_rows(data: pd.DataFrame, design: AnalysisConfig) -> pd.DataFrame:
     """`data` with its NORM column holding the report's rows: the norm, or the values of `analysis.rows`
-    (task.loss: the language-model study's loss normalizations)."""
+    (task.loss: the language-model study's loss normalizations; norm+task.negatives: the contrastive study's
+    bn-step, bn-micro, ...)."""
     if design.rows == NORM:
         return data
-    return data.assign(**{NORM: data[column(design.rows)].astype(str)})
+    values = [data[column(key)].astype(str) for key in row_keys(design)]
+    return data.assign(**{NORM: values[0] if len(values) == 1 else values[0] + "-" + values[1]})
 
 
 def rows_label(design: AnalysisConfig) -> str:
-    """The rows' column header: norm, or loss."""
-    return column(design.rows)
+    """The rows' column header: norm, loss, or norm-negatives."""
+    return "-".join(column(key) for key in row_keys(design))
 
 
 def headline(data: pd.DataFrame) -> metrics.Headline:

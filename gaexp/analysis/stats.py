@@ -14,7 +14,7 @@ import pandas as pd
 from scipy import stats
 
 from gaexp.analysis.columns import (ACTIVATIONS, AnalysisError, ENGINE, MEMORY_COLUMNS, PARTS, PROTOCOL, VALID_ACC,
-                                    as_rows, column, headline, in_order, norm_order)
+                                    as_rows, column, headline, in_order, norm_order, row_keys)
 from gaexp.metrics import ACCURACY, Headline
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig, PROTOCOL_COLUMNS, parse_regime
 from gaexp.tags import BATCH_SIZE, DATASET, MODEL, NORM, NUM_ACCUM, PRECISION, REGIME, SEED
@@ -182,7 +182,7 @@ def summarize(data: pd.DataFrame, design: AnalysisConfig) -> Summary:
     if data.empty:
         raise AnalysisError("no FINISHED runs to summarize")
     data, shown = as_rows(data, design), headline(data)
-    check_protocol(data, [*design.per_cell, *([column(design.rows)] if design.rows != NORM else [])])
+    check_protocol(data, [*design.per_cell, *(column(key) for key in row_keys(design) if key != NORM)])
     margin = design.margin / shown.scale
     window, window_note = data[data.step > design.window_start], ""
     if window.empty:  # a short budget: the evaluations there are, said in the table's header

@@ -13,6 +13,7 @@ imprecise (under `--precision`, accumulation measurably further from float64 tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,10 +33,11 @@ from torch.utils._pytree import tree_leaves
 
 from gaexp import targets
 from gaexp.arguments import positive_ints
-from gaexp.data.batches import micro_batch_indices
+from gaexp.data.batches import VIEWS, micro_batch_indices, micro_batches
 from gaexp.check import hf
 from gaexp.check.accumulation import check_accumulation, where_raised
 from gaexp.check.balance import Balanced
+from gaexp.check.negatives import CachedStep
 from gaexp.check.errors import CheckError, NonFiniteError
 from gaexp.check.loss import LOSS_FORMS, MODEL_LOSS, NUM_ITEMS, loss_contract
 from gaexp.check.report import Report
@@ -68,6 +70,7 @@ class Subject:
     replicas: int = 1  # w data-parallel replicas of micro_batch with num_accum // w steps each (--replicas)
     task: str | None = None  # a transformers task (--task, or hf:PATH's config): its inputs, labels and own loss
     lm: Any = None  # a gaexp language model's task (task=lm, gaexp/task/lm.py): its text, loss and normalization
+    contrastive: Any = None  # a gaexp contrastive task (task=contrastive): two views of each image, its negatives
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -258,6 +261,13 @@ def from_config(overrides: Sequence[str], args: argparse.Namespace) -> Subject:
         balance = f" task.balance={c.task.balance}" if c.task.balance != "none" else ""
         return Subject(make_model(c, shape[0], classes), f"model={c.model.name} task.loss={c.task.loss}{balance}",
                        shape, b, w * k, c.data, None, w, lm=make_task(c.task))
+    if c.task.name == "contrastive":  # two views of each image: a micro-batch of b images is 2b rows
+        check_model(c, shape, classes)
+        torch.manual_seed(c.seed)
+        task = make_task(c.task)
+        return Subject(make_model(c, shape[0], classes), f"model={c.model.name} norm={c.norm.name} task=contrastive "
+                       f"task.negatives={c.task.negatives}", shape, b * task.views, w * k,
+                       c.data if args.data != "random" else None, None, w, contrastive=task)
     if args.input_shape not in (None, shape):
         raise CheckError(f"--input-shape {','.join(map(str, args.input_shape))}: a gaexp model takes its dataset's "
                          f"images, {','.join(map(str, shape))} (data={c.data.dataset})")
@@ -375,12 +385,29 @@ def lm_loss(task: Any) -> Callable[..., torch.Tensor]:
     return found
 
 
+def contrastive_loss(task: Any) -> Callable[..., torch.Tensor]:
+    """A gaexp contrastive task's loss with negatives=micro, held to the check's contract: each micro-batch's InfoNCE
+    over its own views (the check scales it by 1/k)."""
+    def per_micro_batch(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return task.loss(outputs, labels)
+    per_micro_batch.__qualname__ = f"task.loss=info_nce task.negatives={task.negatives}"  # as the report names it
+    return per_micro_batch
+
+
 def make_data(subject: Subject, args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """b*k inputs of the subject's shape and a class target each, from the model's own output classes (a language
     model: its text's first b*k sequences in the seed's order, and their next tokens)."""
     n = subject.micro_batch * subject.num_accum
     require_sizes(subject)
     generator = torch.Generator().manual_seed(args.seed)
+    if subject.contrastive is not None:  # the seed's first n/2 images, two views each, in turn
+        subject.model.to(device)
+        if subject.data is None:
+            return torch.rand((n, *subject.input_shape), generator=generator).to(device), torch.zeros(n, dtype=torch.long)
+        split = dataclasses.replace(open_dataset(subject.data).train, augment=VIEWS)
+        draw = next(micro_batches(len(split), n // subject.contrastive.views, args.seed, VIEWS))
+        inputs, labels = split.batch(draw)
+        return inputs.contiguous().to(device), labels.repeat_interleave(subject.contrastive.views).to(device)
     if subject.lm is not None:
         split = open_dataset(subject.data).train
         inputs, labels = split.window(next(micro_batch_indices(len(split), n, args.seed)))
@@ -461,6 +488,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
         loss = load_loss(args.loss if args.loss is not None or subject.task is None else MODEL_LOSS)
         if subject.lm is not None and loss is None:
             loss = lm_loss(subject.lm)
+        if subject.contrastive is not None and loss is None:
+            loss = contrastive_loss(subject.contrastive)
         precision = precision_of(args, subject)
         problem = device_problem(precision, device) if precision.name != FP32 else None
         if problem:
@@ -486,6 +515,9 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str]:
             subject = replace(subject, model=Balanced(subject.model, subject.lm, inputs, labels,
                                                       by_step=subject.lm.normalization == STEP))
             inputs, loss, count = {"tokens": inputs, "labels": labels}, MODEL_LOSS, False
+        if subject.contrastive is not None and subject.contrastive.whole_outputs:  # negatives=step: as cached trains
+            subject = replace(subject, model=CachedStep(subject.model, subject.contrastive, inputs))
+            inputs, labels, loss = {"views": inputs}, None, MODEL_LOSS
         report = check_accumulation(subject.model, inputs, labels, loss, micro_batch=subject.micro_batch,
                                     num_accum=subject.num_accum, rtol=args.rtol, seed=args.seed,
                                     modes="keep" if args.keep_modes else "train", norm_choices=overrides,
@@ -521,6 +553,10 @@ def _header(subject: Subject, args: argparse.Namespace, device: torch.device) ->
                    "varied)") + (" and images" if subject.task == "contrastive" else ""))
     elif subject.task is not None:
         data = f"{subject.task}: {n} random images"
+    elif subject.contrastive is not None:
+        images = n // subject.contrastive.views
+        data = (f"random inputs of shape {','.join(map(str, subject.input_shape))}, {n} rows" if subject.data is None
+                else f"{args.data}'s first {images} training images (seed {args.seed}), two views each: {n} rows")
     elif subject.lm is not None:
         data = (f"data={subject.data.dataset}'s first {n} training sequences (seed {args.seed}), up to "
                 f"{subject.input_shape[-1] - 1} predicted tokens each")

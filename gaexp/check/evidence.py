@@ -38,3 +38,14 @@ LM_BALANCE = (("micro", "bs1a16", 2.108, "+0.004 [-0.073, +0.081]", "inconclusiv
               ("running", "bs1a16", 2.145, "+0.041 [-0.148, +0.231]", "inconclusive (16 seeds)"))
 
 STUDY_GROUPS = 16  # the GroupNorm remedy's group count as measured (gn16); fewer where 16 does not divide C
+
+# What gaexp's contrastive study measured (docs/results.md, "Contrastive learning: in-batch negatives": the study's CNN
+# with a projection head on MNIST, SimCLR's InfoNCE, 64 images a step, the k-NN accuracy over 3 seeds, the paired
+# difference to the true batch of 64 with its 95% t-interval and verdict at ±1 point), for each norm and whose
+# negatives at 8 x 8 under the cached engine: (row, regime, accuracy %, points against the true batch, verdict).
+CONTRASTIVE_NEGATIVES = (("bn-step", "bs8a8", 80.52, "+0.24 [-0.30, +0.78]", "equivalent"),
+                         ("bn-micro", "bs8a8", 77.03, "-3.24 [-5.28, -1.20]", "worse"),
+                         ("gn4-step", "bs8a8", 75.18, "-0.31 [-0.98, +0.35]", "equivalent"),
+                         ("gn4-micro", "bs8a8", 72.67, "-2.83 [-6.16, +0.50]", "inconclusive (4 seeds)"),
+                         ("none-step", "bs8a8", 58.41, "-2.86 [-5.32, -0.40]", "worse"),
+                         ("none-micro", "bs8a8", 45.28, "-16.00 [-27.73, -4.26]", "worse"))

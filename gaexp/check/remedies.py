@@ -11,7 +11,8 @@ from typing import Sequence
 
 from torch import nn
 
-from gaexp.check.evidence import BN_ACCUMULATED, BN_REMEDIES, LM_BALANCE, LM_TOKEN_MEAN, STUDY_GROUPS
+from gaexp.check.evidence import (BN_ACCUMULATED, BN_REMEDIES, CONTRASTIVE_NEGATIVES, LM_BALANCE, LM_TOKEN_MEAN,
+                                  STUDY_GROUPS)
 from gaexp.check.loss import NUM_ITEMS, STEP_TARGETS, LossContract
 from gaexp.check.report import GIVEN, BufferDiff, Coupling, LossTerm, listed_names
 from gaexp.norms import NORMS
@@ -141,6 +142,15 @@ def balance_measured() -> str:
             f"its first backward (gaexp's MoE study: {measured}; global: the true batch's, exactly)")
 
 
+def negatives_measured() -> str:
+    """gaexp's choice for a contrastive loss's negatives, with what its contrastive study measured of each."""
+    measured = "; ".join(f"{row} at {regime}, k-NN accuracy {accuracy:.2f}%, {against} points against the true "
+                         f"batch of 64, {verdict} at ±1" for row, regime, accuracy, against, verdict
+                         in CONTRASTIVE_NEGATIVES)
+    return ("  task.negatives=step accumulate=cached: the step's negatives, exact at one micro-batch's activations "
+            f"(GradCache's two passes; gaexp's contrastive study, the CNN on MNIST: {measured})")
+
+
 def term_remedies(terms: Sequence[LossTerm], hf: bool, contract: LossContract, gaexp: bool = False) -> list[str]:
     """One remedy per kind of coupling among a loss's terms, in transformers' terms for a transformers model, with
     gaexp's config choice for a gaexp model (`gaexp`)."""
@@ -158,6 +168,7 @@ def term_remedies(terms: Sequence[LossTerm], hf: bool, contract: LossContract, g
         remedies += [token_mean_measured()] if gaexp else []
     if "samples" in kinds:
         remedies.append(SAMPLES_REMEDY)
+        remedies += [negatives_measured()] if gaexp else []
     if "batch" in kinds:
         remedies.append(BATCH_REMEDY_HF if hf else BATCH_REMEDY)
         remedies += [balance_measured()] if gaexp else []
@@ -201,4 +212,6 @@ def remedies_for(modules: list[Coupling], buffers: list[BufferDiff], owners: dic
         remedies.append("samples compared with each other (in-batch negatives): no accumulation is exact; compute "
                         "the step's embeddings first, then back-propagate through them in micro-batches "
                         "(gradient caching)")
+        if norm_choices:  # a gaexp model: its config's choice, and what the study measured of each
+            remedies.append(negatives_measured())
     return remedies

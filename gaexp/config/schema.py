@@ -346,8 +346,12 @@ class DataConfig(Checked):
             require("data.std", self.std, False, f"a list as long as data.mean={self.mean} (both or neither)")
 
 
-TASKS = ("classify", "lm")  # what a model is trained to do (gaexp/task/)
-TASK_LOSSES = {"classify": ("cross_entropy",), "lm": ("token_mean", "step_token_mean", "seq_mean")}
+TASKS = ("classify", "lm", "contrastive")  # what a model is trained to do (gaexp/task/)
+TASK_LOSSES = {"classify": ("cross_entropy",), "lm": ("token_mean", "step_token_mean", "seq_mean"),
+               "contrastive": ("info_nce",)}
+MODEL_TASKS = ("classify", "lm")  # what a network is built for: images to logits, or tokens to next-token logits
+NEGATIVES = ("none", "micro", "step")  # a contrastive loss's in-batch negatives: none (another task's), each
+# micro-batch's own, or the whole step's
 BALANCES = ("none", "micro", "global", "running")  # an MoE's balancing loss, how its token fractions are counted
 
 
@@ -357,17 +361,33 @@ class TaskConfig(Checked):
     normalizes over a step's samples, which is what accumulation must preserve."""
 
     PREFIX: ClassVar[str] = "task."
-    name: str = key("classify", "classify (cross-entropy over the classes, evaluated by accuracy) or lm (next-token "
-                                "prediction, evaluated by the loss per token)", was="classify", valid=one_of(*TASKS))
+    name: str = key("classify", "classify (cross-entropy over the classes, evaluated by accuracy), lm (next-token "
+                                "prediction, evaluated by the loss per token) or contrastive (InfoNCE between two "
+                                "views of each image, evaluated by a k-NN classifier's accuracy)", was="classify",
+                    valid=one_of(*TASKS))
     loss: str = key("cross_entropy", "lm: token_mean (each micro-batch's mean over its tokens), step_token_mean (the "
                                      "step's token count), seq_mean (each sequence's mean, averaged); classify: "
-                                     "cross_entropy", was="cross_entropy")
+                                     "cross_entropy; contrastive: info_nce", was="cross_entropy")
     balance: str = key("none", "lm with a mixture of experts (model=gpt_moe): its load-balancing loss's token fractions "
                                "counted per micro-batch (micro), over the step (global, exact under accumulation), "
                                "or over the step's micro-batches so far (running, Megatron's); none: no balancing loss",
                        was="none", valid=one_of(*BALANCES))
     balance_coef: float = key(0.01, "the balancing loss's coefficient (Switch Transformer's alpha)", was=0.01,
                               valid=number(0, open_low=True))
+    negatives: str = key("none", "contrastive: whose views each view's similarity is normalized over, its in-batch "
+                                 "negatives: micro (its micro-batch's: naive accumulation) or step (the whole step's, "
+                                 "as the big batch has them); none for the other tasks", was="none",
+                         valid=one_of(*NEGATIVES))
+    temperature: float = key(0.2, "contrastive: InfoNCE's temperature, dividing the cosine similarities", was=0.2,
+                             valid=number(0, open_low=True))
+    features: int = key(128, "contrastive: the width of the representation (the network's output, what the k-NN "
+                             "classifier reads)", was=128, valid=at_least(1))
+    projection: int = key(64, "contrastive: the width of the projection head's output, where the loss is computed",
+                          was=64, valid=at_least(1))
+    knn_k: int = key(20, "contrastive: the neighbours the k-NN classifier's majority vote counts", was=20,
+                     valid=at_least(1))
+    knn_bank: int = key(5000, "contrastive: the labeled training images the k-NN classifier looks up (the first of "
+                              "the training split)", was=5000, valid=at_least(1))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -375,6 +395,10 @@ class TaskConfig(Checked):
         require("task.loss", self.loss, self.loss in valid, f"{', '.join(valid)} (for task.name={self.name})")
         require("task.balance", self.balance, self.balance == "none" or self.name == "lm",
                 "none (a balancing loss is a language model's with a mixture of experts: task=lm model=gpt_moe)")
+        contrastive = self.name == "contrastive"
+        require("task.negatives", self.negatives, (self.negatives != "none") == contrastive,
+                "micro or step (for task.name=contrastive)" if contrastive
+                else "none (in-batch negatives are a contrastive loss's: task=contrastive)")
 
 
 @dataclass
@@ -390,7 +414,8 @@ class ModelConfig(Checked):
                            "plan and ETA",
                       runtime=True, valid=number(0, open_low=True))
     task: str = key("classify", "the task the model is built for: classify (images to logits) or lm (tokens to "
-                                "next-token logits)", runtime=True, valid=one_of(*TASKS))
+                                "next-token logits; a contrastive task trains an image model)", runtime=True,
+                  valid=one_of(*MODEL_TASKS))
 
 
 @dataclass
@@ -459,8 +484,13 @@ class AnalysisConfig(Checked):
     regime_order: List[str] = key(["bs1a1", "bs1a16", "bs4a4", "bs16a1"], "regime order in tables and legends")
     per_cell: List[str] = key([], "protocol keys tuned per cell (e.g. lr): they may differ between cells, not within")
     rows: str = key("norm", "what the report's rows are: norm, task.loss (the language-model study: its loss "
-                            "normalizations side by side) or task.balance (the MoE study: its balances)",
-                    valid=one_of("norm", "task.loss", "task.balance"))
+                            "normalizations side by side), task.balance (the MoE study: its balances), or two of "
+                            "these and task.negatives joined by + (the contrastive study: norm+task.negatives, rows "
+                            "such as bn-step)",
+                    valid=(lambda v: isinstance(v, str) and 0 < len(v.split("+")) <= 2
+                           and len(set(v.split("+"))) == len(v.split("+"))
+                           and set(v.split("+")) <= {"norm", "task.loss", "task.balance", "task.negatives"},
+                           "norm, task.loss, task.balance, task.negatives, or two of them joined by +"))
     margin: float = key(0.5, "equivalence margin in the headline's unit (accuracy points; nats for a language model): "
                              "a paired difference shown (TOST, 5%) to lie within +-margin is `equivalent`",
                         valid=(lambda v: 0 < v < 100, "a number in (0, 100)"))
@@ -491,10 +521,10 @@ THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or 
 COMPILE_CHOICES = ("auto", "off", "eval", "all")
 
 
-ENGINES = ("loop", "batched")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
+ENGINES = ("loop", "batched", "cached")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
 
 
-AUTO_ENGINE = "auto"  # accumulate=auto: batched where it computes the loop's step and fits, else loop (gaexp/engine.py)
+AUTO_ENGINE = "auto"  # accumulate=auto: batched where it computes the loop's step and fits, else cached or loop (gaexp/engine.py)
 
 
 CELLS: Rule = (lambda v: v is None or v != 0, "null, an integer >= 1, or joblib's negative counts (-1: one per core)")
@@ -529,9 +559,12 @@ class Config(Checked):
     accumulate: str = key(AUTO_ENGINE, "how a step's k micro-batches are computed: loop (one forward and backward "
                                        "per micro-batch: the memory of b samples, the study's reference), batched (one "
                                        "pass over the b*k samples, BatchNorm-like layers chunked by b in order: the same "
-                                       "arithmetic up to rounding, faster, the memory of b*k) or auto (batched where "
-                                       "every coupling layer chunks exactly and the b*k samples fit, loop otherwise; a "
-                                       "run records the engine it used, and a cell FINISHED by either is not rerun)",
+                                       "arithmetic up to rounding, faster, the memory of b*k), cached (GradCache's two "
+                                       "passes: a loss over the whole step's outputs, such as contrastive negatives=step, "
+                                       "at the memory of b) or auto (batched where every coupling layer chunks exactly "
+                                       "and the b*k samples fit; then cached where the loss needs the step's outputs; "
+                                       "loop otherwise; a run records the engine it used, and a cell FINISHED by any is "
+                                       "not rerun)",
                           valid=one_of(*ENGINES, AUTO_ENGINE), was="loop")  # what every run recorded before this key ran
     rerun: bool = key(False, "run a cell again even if it already FINISHED with the same protocol", runtime=True)
     progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
@@ -558,13 +591,16 @@ class Config(Checked):
     @property
     def run_name(self) -> str:
         """bn-bs1a16-s1; another dataset, model, task loss, engine or precision than the first leads:
-        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1, fortunes-gpt-token_mean-ln-bs4a4-s1, fortunes-gpt_moe-step_token_mean-balance_global-ln-bs4a4-s1 (the names of runs recorded before these were a choice stay
+        fashion_mnist-resnet20-batched-bf16-bn-bs1a16-s1, fortunes-gpt-token_mean-ln-bs4a4-s1, fortunes-gpt_moe-step_token_mean-balance_global-ln-bs4a4-s1,
+        info_nce-negatives_step-cached-bn-bs8a8-s1 (the names of runs recorded before these were a choice stay
         valid); a trial of an Optuna study adds its number: -t7."""
         engine = ADDED_DEFAULTS["accumulate"] if self.accumulate == AUTO_ENGINE else self.accumulate  # auto: named
         lead = [value for value, first in ((self.data.dataset, ADDED_DEFAULTS["data.dataset"]),  # by its engine, once
                                            (self.model.name, ADDED_DEFAULTS["model.name"]),  # resolved (gaexp/engine.py)
                                            (self.task.loss, ADDED_DEFAULTS["task.loss"]),
                                            (f"balance_{self.task.balance}", f"balance_{ADDED_DEFAULTS['task.balance']}"),
+                                           (f"negatives_{self.task.negatives}",
+                                            f"negatives_{ADDED_DEFAULTS['task.negatives']}"),
                                            (engine, ADDED_DEFAULTS["accumulate"]),
                                            (self.precision.name, FP32)) if value != first]
         trial = "" if self.optuna.trial is None else f"-t{self.optuna.trial}"

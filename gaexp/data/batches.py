@@ -13,6 +13,7 @@ import torch
 from gaexp.config import HOLDOUT_SEED
 
 PAD = 4  # crop_flip's zero padding on each side, as torchvision's RandomCrop(size, padding=4)
+CROP_FLIP, VIEWS = "crop_flip", "views"  # augmentations: one crop and flip per image; two views, each its own
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class Split:
     labels: torch.Tensor  # int64 [N]
     mean: Optional[Sequence[float]] = None  # per channel, of the [0, 1] pixels; None: none (ToTensor's)
     std: Optional[Sequence[float]] = None
-    augment: str = "none"  # none | crop_flip: how the micro-batch stream draws this split's images
+    augment: str = "none"  # none | crop_flip | views (a contrastive task's: two crop_flip views of each image, in
+    # turn: the model's rows 2i and 2i + 1 are image i's): how the micro-batch stream draws this split's images
     dtype: torch.dtype = torch.float32  # the model's input: its weights' dtype (precision=bf16w: bf16)
 
     def __len__(self) -> int:
@@ -37,8 +39,10 @@ class Split:
     def inputs(self, index: torch.Tensor | slice, draw: Optional["Draw"] = None) -> torch.Tensor:
         """The model's float input for the images at `index` (a micro-batch's `Draw`: its crops and flips)."""
         images = self.images[index]
+        if self.augment == VIEWS:
+            images = images.repeat_interleave(2, dim=0)
         if draw is not None and draw.shift is not None:
-            images = crop_flip(images, draw.shift, draw.flip)
+            images = crop_flip(images, draw.shift.reshape(-1, 2), draw.flip.reshape(-1))
         x = images.float().div_(255)
         if self.mean is not None:
             stats = {"dtype": x.dtype, "device": x.device}
@@ -80,11 +84,13 @@ def holdout_split(data: Split, size: int) -> tuple[Split, Split]:
 
 @dataclass(frozen=True)
 class Draw:
-    """One micro-batch: which training images, and (crop_flip) each one's crop offsets and flip."""
+    """One micro-batch: which training images, and (crop_flip) each one's crop offsets and flip (views: each of
+    its two views')."""
 
     index: torch.Tensor  # int64 [B]
-    shift: Optional[torch.Tensor] = None  # int64 [B, 2]: top and left of the crop in the padded image, 0..2*PAD
-    flip: Optional[torch.Tensor] = None  # bool [B]
+    shift: Optional[torch.Tensor] = None  # int64 [B, 2] (views: [B, 2, 2]): top and left of the crop in the padded
+    # image, 0..2*PAD
+    flip: Optional[torch.Tensor] = None  # bool [B] (views: [B, 2])
 
     @staticmethod
     def cat(draws: Sequence["Draw"]) -> "Draw":
@@ -119,19 +125,20 @@ def micro_batches(num_samples: int, batch_size: int, seed: int, augment: str = "
     whenever batch_size divides num_samples, as for every regime of the study).
     With augment=crop_flip each position of the stream also draws its crop and flip
     from a second generator, one epoch at a time: the n-th sample is the same image,
-    cropped and flipped the same way, whatever the regime.
+    cropped and flipped the same way, whatever the regime (views: two of each, one per view).
     """
     order = torch.Generator().manual_seed(seed)
-    augmenting = augment == "crop_flip"
+    augmenting = augment in (CROP_FLIP, VIEWS)
+    per = (2,) if augment == VIEWS else ()  # each image's draws: one, or one per view
     extra = torch.Generator().manual_seed(augment_seed(seed)) if augmenting else None
     empty = torch.empty(0, dtype=torch.long, device=device)
-    stream, shifts, flips = empty, empty.view(0, 2), empty.bool()
+    stream, shifts, flips = empty, empty.view(0, *per, 2), empty.bool().view(0, *per)
     while True:
         if stream.numel() < batch_size:
             stream = torch.cat([stream, torch.randperm(num_samples, generator=order).to(device)])
             if augmenting:
-                shifts = torch.cat([shifts, torch.randint(0, 2 * PAD + 1, (num_samples, 2), generator=extra).to(device)])
-                flips = torch.cat([flips, torch.randint(0, 2, (num_samples,), generator=extra).bool().to(device)])
+                shifts = torch.cat([shifts, torch.randint(0, 2 * PAD + 1, (num_samples, *per, 2), generator=extra).to(device)])
+                flips = torch.cat([flips, torch.randint(0, 2, (num_samples, *per), generator=extra).bool().to(device)])
         if augmenting:
             yield Draw(stream[:batch_size], shifts[:batch_size], flips[:batch_size])
             shifts, flips = shifts[batch_size:], flips[batch_size:]

@@ -10,9 +10,14 @@ A task declares
   - `STEP`: the loss is a sum over the items, divided by the count of the whole step's items, which the engine
     counts before any backward (`count`, as transformers' `num_items_in_batch` and torchtitan's
     `global_valid_tokens`). Exact under accumulation by construction.
-- its evaluation: named metrics, the headline's first.
+  - `OUTPUTS`: the loss is one function of the whole step's outputs, not a sum over its micro-batches (a contrastive
+    loss whose negatives are the step's views). The loop holds the step's graphs until that one loss; the batched
+    engine computes it in its one pass; the cached engine (gaexp/cached.py) at one micro-batch's memory.
+- its evaluation: named metrics, the headline's first;
+- what it makes of the network and the data (`width`, `model`, `training_split`, `prepare`): by default the
+  network as built, its output one logit per class, and the training split as the data gives it.
 
-The engines (gaexp/train.py, gaexp/batched.py) call `loss`, `chunked_loss` and `count`; tracking, progress and
+The engines (gaexp/train.py, gaexp/batched.py, gaexp/cached.py) call `loss`, `step_loss` and `count`; tracking, progress and
 Optuna read the `EvalPoint`'s metrics by name; the report reads the headline (`headline_of`). A run's task is
 built from its config by gaexp/task/build.py.
 """
@@ -29,9 +34,10 @@ if TYPE_CHECKING:
     from gaexp.data.batches import Split
     from gaexp.precision import Precision
 
-MICRO, STEP = "micro", "step"
-CLASSIFY, LM = "classify", "lm"
-HEADLINES: Mapping[str, Headline] = {CLASSIFY: ACCURACY, LM: TOKEN_LOSS}  # torch-free: the report reads these
+MICRO, STEP, OUTPUTS = "micro", "step", "outputs"
+CLASSIFY, LM, CONTRASTIVE = "classify", "lm", "contrastive"
+# torch-free: the report reads these (a contrastive run's valid_acc is its k-NN classifier's)
+HEADLINES: Mapping[str, Headline] = {CLASSIFY: ACCURACY, LM: TOKEN_LOSS, CONTRASTIVE: ACCURACY}
 
 
 class Task:
@@ -41,6 +47,8 @@ class Task:
     normalization: str = MICRO
     step_pass: bool = False  # the loop calls `begin_step` before a step's first backward
     speed: Metric | None = None  # the training speed in the task's own items, beside samples/s (the data's `items`)
+    views: int = 1  # the model's input rows per sample (a contrastive task's two views of each image)
+    reads_model: bool = False  # the loss reads the model beyond its outputs (an MoE's routing): not cached's
 
     @property
     def whole_step(self) -> bool:
@@ -49,17 +57,48 @@ class Task:
         return self.normalization == STEP or self.step_pass
 
     @property
+    def whole_outputs(self) -> bool:
+        """Whether the loss is one function of the whole step's outputs (OUTPUTS), not a sum over micro-batches."""
+        return self.normalization == OUTPUTS
+
+    @property
     def headline(self) -> Headline:
         return HEADLINES[self.name]
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """MICRO: the mean loss over these items; STEP: their summed loss (float32, whatever the forward's dtype)."""
+        """MICRO: the mean loss over these items; STEP: their summed loss; OUTPUTS: the loss of these outputs taken as
+        a whole (float32, whatever the forward's dtype)."""
         raise NotImplementedError
 
     def chunked_loss(self, outputs: torch.Tensor, targets: torch.Tensor, parts: int) -> torch.Tensor:
         """MICRO, from one pass over `parts` equal consecutive micro-batches (the batched engine): the mean of their
         `loss`es. This default is exact where every item of a micro-batch weighs the same (the mean over all)."""
         return self.loss(outputs, targets)
+
+    def step_loss(self, outputs: torch.Tensor, targets: torch.Tensor, parts: int) -> torch.Tensor:
+        """The step's loss from the outputs of its `parts` micro-batches in order, in one tensor (the batched and
+        cached engines): MICRO, the mean of their `loss`es (`chunked_loss`); STEP, the sum over the step's count;
+        OUTPUTS, the loss of the whole step."""
+        if self.normalization == MICRO:
+            return self.chunked_loss(outputs, targets, parts)
+        if self.normalization == STEP:
+            return self.loss(outputs, targets) / self.count(targets)
+        return self.loss(outputs, targets)
+
+    def width(self, num_classes: int) -> int:
+        """The network's output width for data of `num_classes` classes: one logit per class."""
+        return num_classes
+
+    def model(self, network: torch.nn.Module) -> torch.nn.Module:
+        """The module trained, from the network the model config builds: the network itself."""
+        return network
+
+    def training_split(self, split: Split) -> Split:
+        """The training split as the task draws it (a contrastive task's: two views of each image)."""
+        return split
+
+    def prepare(self, train_data: Split) -> None:
+        """Before training: what evaluation needs of the training split (a k-NN classifier's labeled bank)."""
 
     def attach(self, model: torch.nn.Module) -> None:
         """Before training `model` (and when a cell's config is checked): find what the loss reads of the model

@@ -59,6 +59,7 @@ class LanguageModel(Task):
         self.choice, self.normalization = loss, LOSSES[loss]
         self.balance, self.coef = balance, coef
         self.step_pass = balance == "global"  # the step's routing counted before its first backward
+        self.reads_model = balance != "none"  # its balancing term reads the router's forward
         self.routers: list[torch.nn.Module] = []
         self.step_fractions: list[torch.Tensor] = []  # global: each layer's f over the step (`begin_step`)
         self.step_tokens = torch.zeros(())
