@@ -12,7 +12,7 @@ from torch import nn
 
 from gaexp.config import TaskConfig, compose_config, typed
 from gaexp.precision import Precision
-from gaexp.task.build import make as make_task, problem
+from gaexp.task.build import problem
 from gaexp.task.contrastive import Contrastive, Embedder
 
 
