@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from gaexp import engine, liveness, metrics, norms, precision, redact, replicas, tracking, trial
+from gaexp.engine import holds_step
 from gaexp.batched import coupled_layers
 from gaexp.data.batches import Draw, Split
 from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
@@ -101,8 +102,8 @@ def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int],
     except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
         return
     b, k = c.regime.batch_size, c.regime.num_accum
-    chosen = accumulate or c.accumulate  # batched, and the loop of a loss over the step's outputs, hold the step
-    batched = chosen == engine.BATCHED or (chosen == engine.LOOP and job.whole_outputs and k > 1)
+    chosen = accumulate or c.accumulate
+    batched = holds_step(chosen, job, k)
     held, steps = (b * k if batched else b), c.train.num_iterations
     data = data_bytes(c.data, shape)
     weights = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients, Adam's moments
@@ -239,7 +240,7 @@ def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, en
     b, n = regime.batch_size, regime.batch_size * regime.num_accum
     first = (data.batch(Draw(torch.arange(size, device=data.labels.device))) for size in (b, n))
     memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, *next(first), job.loss) / 2**20}
-    if engine == "batched" or (engine == "loop" and job.whole_outputs and n > b):
+    if holds_step(engine, job, regime.num_accum):
         memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, *next(first), job.loss) / 2**20
     reset_peak_rss()
     if device.type == "cuda":

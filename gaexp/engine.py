@@ -51,6 +51,12 @@ def loop_only(precision: PrecisionConfig, num_accum: int) -> str | None:
     return None
 
 
+def holds_step(engine: str, task: Task, num_accum: int) -> bool:
+    """Whether `engine` holds the activations of a step's b*k samples at once, not one micro-batch's: batched, and
+    the loop of a loss over the whole step's outputs over k > 1 micro-batches (every graph held to the step's loss)."""
+    return engine == BATCHED or (engine == LOOP and task.whole_outputs and num_accum > 1)
+
+
 def cached_problem(task: Task | None, replicas: int) -> str | None:
     """Why the cached engine cannot compute this step exactly, or None: a loss that reads the model beyond its
     outputs (an MoE's balancing term reads the router's forward, which the loss on cached outputs never sees), or
