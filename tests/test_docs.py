@@ -219,7 +219,7 @@ def test_a_documented_command_works_as_written(command, monkeypatch, tmp_path):
             assert name in EXPORTS, f"{command}: ${{oc.env:{name}}} with no `export {name}=...` in the docs"
             monkeypatch.setenv(name, EXPORTS[name])
         check_hydra(hydra_overrides(command.argv[1:]))
-    elif head in ("gaexp-check", "gaexp.check", "gaexp.check_cli"):
+    elif head in ("gaexp-check", "gaexp.check"):
         parsed = check_cli.parser().parse_intermixed_args(args)
         if "=" in parsed.target[0]:
             check_hydra([t for t in parsed.target])
@@ -311,6 +311,28 @@ def test_a_contents_list_lists_every_section(doc):
     headings = re.findall(r"^(##|###) (.+)$", outside, re.M)
     expected = [(level == "###", title, github_anchor(title)) for level, title in headings]
     assert contents_list(doc.read_text()) == expected
+
+
+# Our own commits and issues, which a reader cannot look up: a hash of 7 to 12 hex digits with a letter and a digit,
+# standing alone (not a checksum's 32, not inside a package's version such as 0.0~git20200523.55506a9-1), or "issue N".
+# Another project's issue by its own name (Megatron-LM#149) is theirs to look up.
+OWN_REFERENCE = re.compile(r"(?<![\w.~/-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}(?![\w.~/-])|\bissues? #?\d+",
+                           re.I)
+
+
+@pytest.mark.parametrize("doc", DOCUMENTS, ids=lambda doc: doc.name)
+def test_a_document_names_no_commit_or_issue_of_ours(doc):
+    """Dates, and the command that reproduces a figure, are what a reader can use; a commit hash or an issue number
+    of this project's is not."""
+    found = [(number, m.group(0)) for number, line in enumerate(doc.read_text().splitlines(), 1)
+             for m in OWN_REFERENCE.finditer(line)]
+    assert not found, f"{doc.name}: (line, reference) {found}: say it by date, or by the command that reproduces it"
+
+
+def test_the_readme_is_a_front_door():
+    """README.md under 100 lines: the command, the table, one line per finding with its link into docs/."""
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines < 100, f"README.md has {lines} lines: move the detail into docs/ and link to it"
 
 
 # --- a newcomer's walk: one documented command of each family, as written, at a tiny budget ----------------
