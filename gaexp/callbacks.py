@@ -48,8 +48,8 @@ def prepare(cfg: DictConfig) -> str:
     from mlflow.tracking import MlflowClient
 
     from gaexp import tracking, trial
-    from gaexp.data.dataset import fetch, open_dataset, splits
-    from gaexp.cell import validate_split, validated  # the model against the data, the memory: torch
+    from gaexp.data.dataset import fetch, open_dataset, splits, validate_split
+    from gaexp.cell import validated  # the model against the data, the memory: torch
 
     c, *swept = validate_cells(cfg, cells, validated)
     if str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="")).startswith("hydra_plugins.gaexp_"):

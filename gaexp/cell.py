@@ -1,6 +1,8 @@
-"""One cell of the grid, in one pass down the layers: its config checked, its data and model built, trained and
-tracked as one MLflow run (or skipped, already FINISHED). gaexp/app.py runs it as a Hydra job; the sweepers
-check every cell with `validated` before any runs.
+"""One cell of the grid: validate, build, train, record, as one MLflow run (or skipped, already FINISHED).
+gaexp/app.py runs it as a Hydra job; the sweepers check every cell with `validated` before any runs. Each concept
+validates its own part where it lives (the task, the model, the device, the precision, the replicas, the engine,
+the data's split in gaexp/data/dataset.py, the run's memory in gaexp/memory.py); the cell calls them in order.
+A cell of w > 1 replicas trains beside the processes of gaexp/team.py.
 
 It imports neither the analysis nor Optuna: a trial's reporting is gaexp/trial.py, which loads Optuna only
 for a trial.
@@ -8,16 +10,11 @@ for a trial.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
 import logging
-import math
-import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from mlflow.entities import Run
@@ -25,107 +22,22 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from gaexp import engine, liveness, metrics, norms, precision, redact, replicas, tracking, trial
-from gaexp.engine import holds_step
 from gaexp.batched import coupled_layers
-from gaexp.data.batches import Draw, Split
-from gaexp.config import Config, DataConfig, RegimeConfig, require, typed
-from gaexp.data.dataset import Dataset, Meta, describe, open_dataset, splits
+from gaexp.data.batches import Split
+from gaexp.config import Config, require, typed
+from gaexp.data.dataset import Meta, describe, open_dataset, training_size, validate_split
 from gaexp.data.idx import raw_dir
+from gaexp.trial import returned_value
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopWhenSweepGone, SweepGone
-from gaexp.machine import usable_cores
-from gaexp.memory import activation_bytes, available_bytes, peak_rss_bytes, reset_peak_rss, sample_bytes
-from gaexp.model import check_model, make_model
+from gaexp.machine import threads_for, usable_cores
+from gaexp.memory import check_run_memory, measure_memory, memory_problem, peak_rss_bytes
+from gaexp.model import build, check_model
 from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags, trial_tags
-from gaexp.task import Task
 from gaexp.task.build import make as make_task, problem as task_problem
-from gaexp.train import StepPlan, compile_phases, resolve_device, train
+from gaexp.team import follow, team
+from gaexp.train import compile_phases, deterministic_cuda, resolve_device, step_plan, train
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
-
-
-def training_size(data: DataConfig) -> int | None:
-    """The training images left after data.holdout where the config declares their count (an idx dataset's
-    num_train, checked against its files when they are read); None: known once the data is read (`prepare`
-    checks `validate_split` there)."""
-    return data.num_train - data.holdout if data.kind == "idx" and data.num_train is not None else None
-
-
-def validate_split(c: Config, size: int, setting: str | None = None) -> None:
-    """A micro-batch is at most the training split of `size` images (the data order draws each from the rest of
-    one permutation of it and the next: a larger one would silently hold fewer), and so are the b*k samples
-    accumulate=batched computes at once. `setting`: what the command asked, where `c` has auto's choice made
-    before the split's size was known (auto takes the loop for a step beyond the split: `engine.within_split`)."""
-    b, k = c.regime.batch_size, c.regime.num_accum
-    items = "sequences" if c.data.kind == "text" else "images"
-    split = f"the {size:,} training {items} of data={c.data.dataset}" + (
-        f" left after data.holdout={c.data.holdout:,}" if c.data.holdout else "")
-    require("regime.batch_size", b, b <= size, f"an integer in [1, {size}]: a micro-batch is at most {split}")
-    if (setting or c.accumulate) == engine.BATCHED:
-        require("regime.batch_size*regime.num_accum", b * k, b * k <= size,
-                f"at most {size}: accumulate=batched computes a step's {b} x {k} samples at once, at most {split} "
-                "(accumulate=loop draws them a micro-batch at a time)")
-
-
-def data_bytes(data: DataConfig, shape: tuple[int, int, int]) -> int:
-    """Bytes of both splits in memory (uint8 images, int64 labels), as far as known before they are read: an idx
-    dataset's from its files, its training images alone while the files are not there yet; 0 for the others
-    (reading them checks them against data.max_memory_mb)."""
-    if data.kind != "idx" or data.num_train is None:
-        return 0
-    files = [raw_dir(data) / name for name in data.files or {}]
-    if not files or not all(f.is_file() for f in files):
-        return data.num_train * (math.prod(shape) + 8)
-    return sum(f.stat().st_size * (1 if "images" in f.name else 8) for f in files)
-
-
-def size_text(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
-
-
-def check_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device,
-                 accumulate: str | None = None) -> None:
-    """A step's memory, estimated, within what this machine has (`available_bytes`): the activations of the
-    samples held at once (one micro-batch; accumulate=batched: a step's b*k) at `sample_bytes` each, the data,
-    the model with its gradients and Adam's two moments, and the record of each step's loss. Refused in one line
-    naming the largest part and how far to lower it. Not checked where cells run on other hosts (their memory
-    is not this one's) or where neither the model's measure nor the machine's memory is known. `accumulate`:
-    the engine to check (default: the config's)."""
-    if c.cells_elsewhere:
-        return
-    found = available_bytes(device)
-    if found is None:
-        return
-    available, where = found
-    try:
-        job = make_task(c.task)
-        per_sample = sample_bytes(model, *job.probe(shape, 0)[:2], job.loss) * job.views
-    except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
-        return
-    b, k = c.regime.batch_size, c.regime.num_accum
-    chosen = accumulate or c.accumulate
-    batched = holds_step(chosen, job, k)
-    held, steps = (b * k if batched else b), c.train.num_iterations
-    data = data_bytes(c.data, shape)
-    weights = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients, Adam's moments
-    # each part: (what it is, its bytes, bytes per unit of the key that sets it, that key, what is valid: {} the
-    # most units that fit)
-    lighter = "cached" if job.whole_outputs else "loop"  # the engine that holds one micro-batch
-    parts = [(f"{held:,} samples x {size_text(per_sample)} of activations", held * per_sample, per_sample,
-              f"regime.batch_size={b} regime.num_accum={k} accumulate={chosen}" if batched else f"regime.batch_size={b}",
-              f"regime.batch_size x regime.num_accum <= {{}} (or accumulate={lighter}, which holds regime.batch_size "
-              "samples)" if batched else "regime.batch_size <= {}"),
-             (f"{size_text(4 * steps)} recording {steps:,} steps' losses", 4 * steps, 4,
-              f"train.num_iterations={steps}", "train.num_iterations <= {}"),
-             (f"{size_text(data)} of data", data, 0, f"data={c.data.dataset}", None),
-             (f"{size_text(weights)} of model, gradients and Adam", weights, 0, f"model={c.model.name}", None)]
-    need = sum(part[1] for part in parts)
-    if need <= available:
-        return
-    _, worst, unit, name, fix = max(parts, key=lambda part: part[1])
-    room = available - (need - worst)
-    valid = fix.format(f"{int(room // unit):,}") if unit and room >= unit else "less of each of these"
-    raise ValueError(f"{name}: a run needs about {size_text(need)} on {device.type} ({'; '.join(p[0] for p in parts)}),"
-                     f" more than the {size_text(available)} {where}; valid: {valid}")
 
 
 def validated(cfg: DictConfig) -> Config:
@@ -165,39 +77,8 @@ def validate(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     c = dataclasses.replace(c, accumulate=choice.engine)
     if size is not None:
         validate_split(c, size)
-    check_memory(c, model, shape, device)
+    check_run_memory(c, model, shape, device)
     return c, choice
-
-
-def memory_problem(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device,
-                   accumulate: str) -> str | None:
-    """`check_memory`'s one line for this engine, or None when a step fits."""
-    try:
-        check_memory(c, model, shape, device, accumulate)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def threads_for(setting: int | str, cells: int | None, cores: int | None = None) -> int:
-    """torch threads per run: `auto` makes cells x threads = cores (0 keeps torch's default)."""
-    if setting != "auto":
-        return int(setting)
-    if not cells:
-        return 0  # one cell at a time: torch's default uses every core
-    cores = cores or usable_cores()
-    jobs = cells if cells > 0 else max(1, cores + 1 + cells)  # joblib: -1 = all cores, -2 = all but one
-    return max(1, cores // jobs)
-
-
-def deterministic_cuda() -> None:
-    """CUDA as repeatable as PyTorch makes it: deterministic kernels where they exist (an op without one
-    warns, naming itself, in the cell's log), the cuBLAS workspace they need, no cuDNN autotuning. The
-    workspace setting is read when cuBLAS starts, so it is set before the first CUDA matmul of the process
-    (a value the user set is kept)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
 
 
 # --- one cell, in named steps -----------------------------------------------------------------------
@@ -215,37 +96,6 @@ def skip_if_finished(client: MlflowClient, experiment_id: str, keys: list[str], 
         tracking.add_to_sweep(client, done, sweep_id)  # so this sweep's report includes it
         log.info("%s: skipped, already FINISHED as run %s (rerun=true to run it again)", c.run_name, done.info.run_id)
     return done
-
-
-def build(c: Config, dataset: Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
-    """The data on `device` (validation: the test set, or images held out of training), and the model for its
-    shape and classes, initialized from the seed; both in the weights' dtype (precision.weights)."""
-    train_data, valid_data = splits(dataset, c.data.holdout, device)
-    train_data = make_task(c.task).training_split(train_data)  # a contrastive task's: two views of each image
-    torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
-    model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
-    dtype = precision.DTYPES[c.precision.weights]
-    if dtype != torch.float32:  # initialized in float32 as any run, then rounded: the same draws for every precision
-        model, train_data, valid_data = (model.to(dtype), dataclasses.replace(train_data, dtype=dtype),
-                                         dataclasses.replace(valid_data, dtype=dtype))
-    return model.to(device, memory_format=torch.channels_last), train_data, valid_data
-
-
-def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
-                   device: torch.device, job: Task) -> dict[str, float]:
-    """MiB autograd saves for one micro-batch (`activation_mb`: what the loop and the cached engine hold, whichever
-    engine runs: the study's memory column) and, for an engine that holds the b*k samples of a step (batched; the
-    loop of a loss over the step's outputs), for those (`batched_activation_mb`); then the process peaks start from
-    here."""
-    b, n = regime.batch_size, regime.batch_size * regime.num_accum
-    first = (data.batch(Draw(torch.arange(size, device=data.labels.device))) for size in (b, n))
-    memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, *next(first), job.loss) / 2**20}
-    if holds_step(engine, job, regime.num_accum):
-        memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, *next(first), job.loss) / 2**20
-    reset_peak_rss()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return memory
 
 
 def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, model: torch.nn.Module,
@@ -316,94 +166,6 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     return returned_value(c, [(p.step, p.value) for p in history])
 
 
-@contextlib.contextmanager
-def team(c: Config, device: torch.device,
-         started: replicas.Replicas | None = None) -> Iterator[replicas.Replicas | None]:
-    """For a cell of w > 1 replicas (gaexp/replicas.py): ranks 1..w-1 started (`replica_main`), set up and met,
-    this process rank 0 of the process group; on the way out each of them ended, and none left running whatever
-    happened. A replica that failed or died is the cell's error, naming its rank. None for one replica.
-    `started`: the process group of replicas a launcher started, told to train (`follow`)."""
-    w = c.regime.replicas
-    if started is not None:
-        started.tell(replicas.TRAIN)
-        try:
-            yield started
-        except Exception:
-            if (failure := started.named_failure()) is not None:  # rank 0's error a symptom of that replica's
-                raise failure from None
-            raise
-        return
-    if w == 1:
-        yield None
-        return
-    store, note = replicas.open_store(w)
-    if note is not None:
-        log.warning("%s", note)
-    with replicas.Team(replica_main, (c, store.port, torch.get_num_threads()), w) as others:
-        group = None
-        try:
-            others.wait_ready(store)
-            group = replicas.join(0, w, store, device)
-            yield group
-            others.finish()
-        except BaseException as e:
-            if not isinstance(e, replicas.ReplicaError):
-                others.check(wait_s=5.0)  # rank 0's error may be a replica's death seen from here: that one's
-            raise
-        finally:
-            if group is not None:
-                group.close()
-
-
-def replica_main(index: int, c: Config, port: int, threads: int) -> None:
-    """Rank index + 1 of a cell (`team`), in a process of its own: its data and model built as rank 0's, then
-    trained in the process group; it records nothing."""
-    import torch.distributed as dist
-
-    rank, w = index + 1, c.regime.replicas
-    torch.set_num_threads(threads)
-    device = replicas.replica_device(resolve_device(c.device), rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if c.deterministic:
-            deterministic_cuda()
-    model, train_data, _ = build(c, open_dataset(c.data, progress=False), device)
-    store = dist.TCPStore(replicas.HOST, port, w, False, timeout=datetime.timedelta(seconds=replicas.SETUP_TIMEOUT_S))
-    store.set(replicas.READY.format(rank), "1")
-    group = replicas.join(rank, w, store, device)
-    try:
-        train(model, train_data, None, c.train, step_plan(c, device, group), make_task(c.task))
-    finally:
-        group.close()
-
-
-def follow(c: Config, choice: engine.Choice, group: replicas.Replicas) -> float:
-    """Rank 1..w-1 of the replicas a launcher started (torchrun, launch=slurm's tasks): trains beside rank 0 when
-    it says so (`team`), its data and model built as rank 0's, and records nothing; rank 0's run is the cell's.
-    Its own error is left for rank 0 to name; nan to its launcher either way (submitit reads task 0's result)."""
-    if group.hear() != replicas.TRAIN:  # the cell was finished, or rank 0 failed before training
-        return float("nan")
-    try:
-        if group.device.type == "cuda":
-            torch.cuda.set_device(group.device)
-        model, train_data, _ = build(c, open_dataset(c.data, progress=False), group.device)
-        c = dataclasses.replace(c, accumulate=engine.within_split(choice, c.regime.batch_size, c.regime.num_accum,
-                                                                  len(train_data), make_task(c.task),
-                                                                  c.regime.replicas).engine)  # rank 0's engine
-        train(model, train_data, None, c.train, step_plan(c, group.device, group), make_task(c.task))
-    except Exception as e:  # noqa: BLE001 - rank 0 names it in the cell's run; a task that raised would stop a sweep
-        log.exception("replica %d of %d failed", group.rank, group.world)
-        group.failed(e)
-    return float("nan")
-
-
-def step_plan(c: Config, device: torch.device, group: replicas.Replicas | None,
-              compiled: frozenset[str] = frozenset()) -> StepPlan:
-    """How the cell's steps are computed (gaexp/train.py): its regime, seed, engine and precision, as one of
-    `group`'s replicas, with `compiled`'s phases."""
-    return StepPlan(c.regime, c.seed, c.accumulate, precision.Precision(c.precision, device), group, compiled)
-
-
 def finished_value(c: Config, client: MlflowClient, done: Run) -> float:
     """`returned_value` of a cell FINISHED before: its task's headline (valid_acc; a language model's valid_loss)
     at its last evaluation, logged as a result (no history to read), or for a trial its objective over the
@@ -413,16 +175,6 @@ def finished_value(c: Config, client: MlflowClient, done: Run) -> float:
         return done.data.metrics[f"final_{headline}"]
     history = client.get_metric_history(done.info.run_id, headline)
     return returned_value(c, sorted((m.step, m.value) for m in history))
-
-
-def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
-    """What a job returns to its sweeper, from its (step, valid_acc) evaluations: a trial, its objective
-    (analysis.objective); a grid cell, whose value no sweeper reads, its final accuracy."""
-    if c.optuna.study is None:
-        return points[-1][1]
-    value = trial.objective(points, c.analysis)
-    log.info("%s: objective %.4f (%s)", c.run_name, value, trial.describe_objective(c.analysis, c.task.name))
-    return value
 
 
 def run_cell(cfg: DictConfig, sweep_id: str, hydra_dir: Path | None = None, in_sweep: bool = False) -> float:

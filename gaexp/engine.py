@@ -24,11 +24,8 @@ from typing import Any, Callable, Mapping
 from torch import nn
 
 from gaexp.batched import UnchunkableError, coupled_layers
-from gaexp.config import AUTO_ENGINE, ENGINES, PrecisionConfig
+from gaexp.config import AUTO_ENGINE, BATCHED, CACHED, ENGINES, LOOP, PrecisionConfig
 from gaexp.task import Task
-
-LOOP, BATCHED, CACHED = ENGINES
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -49,12 +46,6 @@ def loop_only(precision: PrecisionConfig, num_accum: int) -> str | None:
         return (f"precision={precision.name} sums {num_accum} micro-batch gradients in {precision.weights}, one "
                 "backward at a time; the batched engine's one backward sums them inside its kernels")
     return None
-
-
-def holds_step(engine: str, task: Task, num_accum: int) -> bool:
-    """Whether `engine` holds the activations of a step's b*k samples at once, not one micro-batch's: batched, and
-    the loop of a loss over the whole step's outputs over k > 1 micro-batches (every graph held to the step's loss)."""
-    return engine == BATCHED or (engine == LOOP and task.whole_outputs and num_accum > 1)
 
 
 def cached_problem(task: Task | None, replicas: int) -> str | None:

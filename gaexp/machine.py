@@ -69,3 +69,14 @@ def device_type(device: str) -> str:
     import torch  # only when a config is resolved for a run: the schema itself never needs torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def threads_for(setting: int | str, cells: int | None, cores: int | None = None) -> int:
+    """torch threads per run: `auto` makes cells x threads = cores (0 keeps torch's default)."""
+    if setting != "auto":
+        return int(setting)
+    if not cells:
+        return 0  # one cell at a time: torch's default uses every core
+    cores = cores or usable_cores()
+    jobs = cells if cells > 0 else max(1, cores + 1 + cells)  # joblib: -1 = all cores, -2 = all but one
+    return max(1, cores // jobs)

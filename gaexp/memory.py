@@ -10,6 +10,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from gaexp import metrics
+from gaexp.config import BATCHED, LOOP, Config, RegimeConfig
+from gaexp.data.batches import Draw, Split
+from gaexp.data.dataset import data_bytes
+from gaexp.task import Task
+from gaexp.task.build import make as make_task
+
 CGROUP = Path("/sys/fs/cgroup")  # a container's memory limit: cgroup v2's memory.max, else v1's memory/ controller
 
 
@@ -113,3 +120,86 @@ def available_bytes(device: torch.device, cgroup: Path = CGROUP) -> tuple[int, s
                 found = (left, f"left under this container's memory limit ({cgroup / limit})")
             break
     return found
+
+
+def holds_step(engine: str, task: Task, num_accum: int) -> bool:
+    """Whether `engine` holds the activations of a step's b*k samples at once, not one micro-batch's: batched, and
+    the loop of a loss over the whole step's outputs over k > 1 micro-batches (every graph held to the step's loss)."""
+    return engine == BATCHED or (engine == LOOP and task.whole_outputs and num_accum > 1)
+
+
+def size_text(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def check_run_memory(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device,
+                 accumulate: str | None = None) -> None:
+    """A step's memory, estimated, within what this machine has (`available_bytes`): the activations of the
+    samples held at once (one micro-batch; accumulate=batched: a step's b*k) at `sample_bytes` each, the data,
+    the model with its gradients and Adam's two moments, and the record of each step's loss. Refused in one line
+    naming the largest part and how far to lower it. Not checked where cells run on other hosts (their memory
+    is not this one's) or where neither the model's measure nor the machine's memory is known. `accumulate`:
+    the engine to check (default: the config's)."""
+    if c.cells_elsewhere:
+        return
+    found = available_bytes(device)
+    if found is None:
+        return
+    available, where = found
+    try:
+        job = make_task(c.task)
+        per_sample = sample_bytes(model, *job.probe(shape, 0)[:2], job.loss) * job.views
+    except Exception:  # noqa: BLE001 - a model that cannot run two blank images fails its run, saying why
+        return
+    b, k = c.regime.batch_size, c.regime.num_accum
+    chosen = accumulate or c.accumulate
+    batched = holds_step(chosen, job, k)
+    held, steps = (b * k if batched else b), c.train.num_iterations
+    data = data_bytes(c.data, shape)
+    weights = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients, Adam's moments
+    # each part: (what it is, its bytes, bytes per unit of the key that sets it, that key, what is valid: {} the
+    # most units that fit)
+    lighter = "cached" if job.whole_outputs else "loop"  # the engine that holds one micro-batch
+    parts = [(f"{held:,} samples x {size_text(per_sample)} of activations", held * per_sample, per_sample,
+              f"regime.batch_size={b} regime.num_accum={k} accumulate={chosen}" if batched else f"regime.batch_size={b}",
+              f"regime.batch_size x regime.num_accum <= {{}} (or accumulate={lighter}, which holds regime.batch_size "
+              "samples)" if batched else "regime.batch_size <= {}"),
+             (f"{size_text(4 * steps)} recording {steps:,} steps' losses", 4 * steps, 4,
+              f"train.num_iterations={steps}", "train.num_iterations <= {}"),
+             (f"{size_text(data)} of data", data, 0, f"data={c.data.dataset}", None),
+             (f"{size_text(weights)} of model, gradients and Adam", weights, 0, f"model={c.model.name}", None)]
+    need = sum(part[1] for part in parts)
+    if need <= available:
+        return
+    _, worst, unit, name, fix = max(parts, key=lambda part: part[1])
+    room = available - (need - worst)
+    valid = fix.format(f"{int(room // unit):,}") if unit and room >= unit else "less of each of these"
+    raise ValueError(f"{name}: a run needs about {size_text(need)} on {device.type} ({'; '.join(p[0] for p in parts)}),"
+                     f" more than the {size_text(available)} {where}; valid: {valid}")
+
+
+def memory_problem(c: Config, model: torch.nn.Module, shape: tuple[int, int, int], device: torch.device,
+                   accumulate: str) -> str | None:
+    """`check_run_memory`'s one line for this engine, or None when a step fits."""
+    try:
+        check_run_memory(c, model, shape, device, accumulate)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def measure_memory(model: torch.nn.Module, data: Split, regime: RegimeConfig, engine: str,
+                   device: torch.device, job: Task) -> dict[str, float]:
+    """MiB autograd saves for one micro-batch (`activation_mb`: what the loop and the cached engine hold, whichever
+    engine runs: the study's memory column) and, for an engine that holds the b*k samples of a step (batched; the
+    loop of a loss over the step's outputs), for those (`batched_activation_mb`); then the process peaks start from
+    here."""
+    b, n = regime.batch_size, regime.batch_size * regime.num_accum
+    first = (data.batch(Draw(torch.arange(size, device=data.labels.device))) for size in (b, n))
+    memory = {metrics.ACTIVATION_MB.name: activation_bytes(model, *next(first), job.loss) / 2**20}
+    if holds_step(engine, job, regime.num_accum):
+        memory[metrics.BATCHED_ACTIVATION_MB.name] = activation_bytes(model, *next(first), job.loss) / 2**20
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return memory

@@ -8,6 +8,7 @@ gaexp ships; a user's own model is `model=custom model.target=mypkg.nets:build` 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -15,9 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from gaexp import norms, targets
+from gaexp import norms, precision, targets
 from gaexp.task.build import make as make_task
 from gaexp.config import Config
+from gaexp.data.batches import Split
+from gaexp.data.dataset import Dataset, splits
 from gaexp.targets import TargetError
 
 NormLayer = Callable[[int], nn.Module]
@@ -174,3 +177,17 @@ def make_model(c: Config, in_channels: int, num_classes: int,
     task = make_task(c.task)
     return task.model(call_builder(make or load(c.model.target), c.model.target, norm_layer=norms.norm_layer(c.norm),
                                    in_channels=in_channels, num_classes=task.width(num_classes)))
+
+
+def build(c: Config, dataset: Dataset, device: torch.device) -> tuple[torch.nn.Module, Split, Split]:
+    """The data on `device` (validation: the test set, or images held out of training), and the model for its
+    shape and classes, initialized from the seed; both in the weights' dtype (precision.weights)."""
+    train_data, valid_data = splits(dataset, c.data.holdout, device)
+    train_data = make_task(c.task).training_split(train_data)  # a contrastive task's: two views of each image
+    torch.manual_seed(c.seed)  # model initialization; the data order has its own generator
+    model = make_model(c, dataset.meta.shape[0], dataset.meta.num_classes)
+    dtype = precision.DTYPES[c.precision.weights]
+    if dtype != torch.float32:  # initialized in float32 as any run, then rounded: the same draws for every precision
+        model, train_data, valid_data = (model.to(dtype), dataclasses.replace(train_data, dtype=dtype),
+                                         dataclasses.replace(valid_data, dtype=dtype))
+    return model.to(device, memory_format=torch.channels_last), train_data, valid_data

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -16,7 +17,7 @@ import torch
 
 from gaexp.batched import Chunking, accumulate_batched
 from gaexp.cached import accumulate_cached
-from gaexp.config import COMPILE_CHOICES, ENGINES, RegimeConfig, TrainConfig
+from gaexp.config import COMPILE_CHOICES, ENGINES, Config, RegimeConfig, TrainConfig
 from gaexp.data.batches import Draw, Split, counted, micro_batches
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.machine import device_type
@@ -237,3 +238,20 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
         for hook in hooks:
             hook.close()
     return history
+
+
+def deterministic_cuda() -> None:
+    """CUDA as repeatable as PyTorch makes it: deterministic kernels where they exist (an op without one
+    warns, naming itself, in the cell's log), the cuBLAS workspace they need, no cuDNN autotuning. The
+    workspace setting is read when cuBLAS starts, so it is set before the first CUDA matmul of the process
+    (a value the user set is kept)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+def step_plan(c: Config, device: torch.device, group: Replicas | None,
+              compiled: frozenset[str] = frozenset()) -> StepPlan:
+    """How the cell's steps are computed (gaexp/train.py): its regime, seed, engine and precision, as one of
+    `group`'s replicas, with `compiled`'s phases."""
+    return StepPlan(c.regime, c.seed, c.accumulate, Precision(c.precision, device), group, compiled)

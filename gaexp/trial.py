@@ -9,13 +9,17 @@ Light: a cell imports it, and Optuna loads only for a trial.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from hydra_plugins.gaexp_optuna_sweeper.trials import open_trial, report
 
-from gaexp.config import AnalysisConfig, OptunaTrialConfig
+from gaexp.config import AnalysisConfig, Config, OptunaTrialConfig
 from gaexp.hooks import EvalPoint, Hook, Stopped
 from gaexp.task import CLASSIFY, headline_of
+
+log = logging.getLogger("gaexp.app")  # the application's log
 
 
 class ReportToTrial(Hook):
@@ -68,3 +72,13 @@ def describe_objective(design: AnalysisConfig, task: str = CLASSIFY) -> str:
     if design.objective == "final":
         return f"final: {name} at the last evaluation"
     return f"window: mean {name} over the evaluations at step > {design.window_start} (the report's metric)"
+
+
+def returned_value(c: Config, points: list[tuple[int, float]]) -> float:
+    """What a job returns to its sweeper, from its (step, valid_acc) evaluations: a trial, its objective
+    (analysis.objective); a grid cell, whose value no sweeper reads, its final accuracy."""
+    if c.optuna.study is None:
+        return points[-1][1]
+    value = objective(points, c.analysis)
+    log.info("%s: objective %.4f (%s)", c.run_name, value, describe_objective(c.analysis, c.task.name))
+    return value

@@ -29,7 +29,8 @@ from gaexp import tags as runtags
 from gaexp import train as train_module
 from gaexp.app import hydra_sweep_problem
 from gaexp.callbacks import prepare, report_command
-from gaexp.cell import run_cell, threads_for
+from gaexp.cell import run_cell
+from gaexp.machine import threads_for
 from gaexp.config import composition_problem
 from gaexp.config import AnalysisConfig
 from hydra_plugins.gaexp_optuna_sweeper._space import split_arguments
@@ -458,11 +459,11 @@ def test_deterministic_cuda_turns_on_deterministic_kernels_and_keeps_a_users_wor
               torch.backends.cudnn.benchmark)
     try:
         torch.backends.cudnn.benchmark = True
-        cell.deterministic_cuda()
+        train_module.deterministic_cuda()
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the smaller workspace cuBLAS also accepts
-        cell.deterministic_cuda()
+        train_module.deterministic_cuda()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -193,7 +193,7 @@ def test_the_cached_engine_with_one_micro_batch_is_the_loops_step(data):
 def test_which_engines_hold_the_whole_steps_activations():
     """What the memory check counts and `batched_activation_mb` records: batched always, the loop for a loss over the
     step's outputs over k > 1 (every graph held to the step's loss), the cached engine never."""
-    from gaexp.engine import holds_step
+    from gaexp.memory import holds_step
     step, micro = Contrastive("step"), Contrastive("micro")
     assert [holds_step(e, step, 8) for e in ("loop", "batched", "cached")] == [True, True, False]
     assert [holds_step(e, micro, 8) for e in ("loop", "batched", "cached")] == [False, True, False]

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from gaexp import analysis, cell, engine, tracking
+from gaexp import analysis, cell, engine, memory, tracking
 from gaexp.cell import run_cell
 from gaexp.model import make_model
 from gaexp import tags as runtags
@@ -68,9 +68,9 @@ def test_auto_falls_back_to_the_loop_saying_why():
 
 
 def test_a_run_beyond_memory_under_auto_is_the_loop_and_under_batched_refused(compose, monkeypatch):
-    """The memory check itself (cell.check_memory) decides: 1 GiB a sample, 4 GiB free, micro-batch 1 of 16."""
-    monkeypatch.setattr(cell, "sample_bytes", lambda model, *probe: 2**30)
-    monkeypatch.setattr(cell, "available_bytes", lambda device: (4 * 2**30, "free here"))
+    """The memory check itself (memory.check_run_memory) decides: 1 GiB a sample, 4 GiB free, micro-batch 1 of 16."""
+    monkeypatch.setattr(memory, "sample_bytes", lambda model, *probe: 2**30)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (4 * 2**30, "free here"))
     c, choice = cell.validate(compose(*AUTO, "norm=bn", "regime=bs1a16"))
     assert (c.accumulate, choice.engine, choice.setting) == ("loop", "loop", "auto")
     assert choice.reason.startswith("a step's 16 samples at once do not fit: regime.batch_size=1 regime.num_accum=16 "

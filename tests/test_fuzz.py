@@ -165,7 +165,7 @@ def test_a_step_beyond_this_machines_memory_is_refused_naming_what_to_lower(tmp_
                                                                             monkeypatch):
     """The estimate (activations of the samples a step holds at once, data, model, loss record) against the memory
     here, made 1 GiB: the loop holds a micro-batch, accumulate=batched a step's b*k samples."""
-    monkeypatch.setattr("gaexp.cell.available_bytes", lambda device: (GIB, "available on this machine (MemAvailable)"))
+    monkeypatch.setattr("gaexp.memory.available_bytes", lambda device: (GIB, "available on this machine (MemAvailable)"))
     cases = {("regime.batch_size=50000",): r"regime.batch_size=50000: a run needs about 2\d\.\d GiB on cpu \(50,000 "
                                            r"samples x 0.\d MiB of activations; .* of data; .*\), more than the 1.0 "
                                            r"GiB available on this machine \(MemAvailable\); valid: "

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gaexp.callbacks import launcher_warnings
-from gaexp.cell import threads_for
+from gaexp.machine import threads_for
 from gaexp.config import typed
 from gaexp.machine import usable_cores
 

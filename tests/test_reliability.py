@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import tracking
 from gaexp.callbacks import prepare
-from gaexp.cell import threads_for
+from gaexp.machine import threads_for
 from gaexp.data.catalog import data_config
 from gaexp.data.idx import raw_dir
 

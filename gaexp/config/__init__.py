@@ -27,6 +27,7 @@ from gaexp.config.schema import (HOLDOUT_SEED, CONFIG_DIR, AXES, PRESET_GROUPS, 
                                  PypiSource, DebianSource, DataConfig, ModelConfig, OptunaTrialConfig,
                                  EXPERIMENT_NAME_MAX, NAME_MAX, TRACKING_URI, MlflowConfig, OBJECTIVES,
                                  AnalysisConfig, DEVICES, MAX_THREADS, THREADS, COMPILE_CHOICES, ENGINES,
+                                 LOOP, BATCHED, CACHED,
                                  AUTO_ENGINE, CELLS, Config, schema_leaves, ADDED_DEFAULTS)
 from gaexp.config.protocol import (check_keys, typed, leaves, OBJECTIVE_KEYS, runtime_keys, PROTOCOL_COLUMNS,
                                    protocol_part, resolved_value)
@@ -42,7 +43,7 @@ __all__ = ["Rule", "at_least", "number", "one_of", "NOT_ADDED", "key", "node", "
            "TaskConfig", "TASKS", "TASK_LOSSES",
            "AUGMENTS", "PypiSource", "DebianSource", "DataConfig", "ModelConfig", "OptunaTrialConfig",
            "EXPERIMENT_NAME_MAX", "NAME_MAX", "TRACKING_URI", "MlflowConfig", "OBJECTIVES", "AnalysisConfig",
-           "DEVICES", "MAX_THREADS", "THREADS", "COMPILE_CHOICES", "ENGINES", "AUTO_ENGINE", "CELLS", "Config",
+           "DEVICES", "MAX_THREADS", "THREADS", "COMPILE_CHOICES", "ENGINES", "LOOP", "BATCHED", "CACHED", "AUTO_ENGINE", "CELLS", "Config",
            "schema_leaves", "ADDED_DEFAULTS", "check_keys", "typed", "leaves", "OBJECTIVE_KEYS", "runtime_keys",
            "PROTOCOL_COLUMNS", "protocol_part", "resolved_value", "GROUPS", "unknown_choice", "HYDRA_FLAGS",
            "hydra_overrides", "sweep_cases", "swept_cells", "compose_config", "composition_problem", "rest_value",

@@ -521,7 +521,7 @@ THREADS: Rule = (lambda v: v == "auto" or (type(v) is int and v >= 0), "auto or 
 COMPILE_CHOICES = ("auto", "off", "eval", "all")
 
 
-ENGINES = ("loop", "batched", "cached")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
+LOOP, BATCHED, CACHED = ENGINES = ("loop", "batched", "cached")  # how an optimizer step's micro-batches are computed (gaexp/train.py)
 
 
 AUTO_ENGINE = "auto"  # accumulate=auto: batched where it computes the loop's step and fits, else cached or loop (gaexp/engine.py)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from gaexp.config import DataConfig, require
+from gaexp.config import BATCHED, Config, DataConfig, require
 import gaexp.data.custom as custom
 import gaexp.data.folder as folder
 import gaexp.data.idx as idx
@@ -158,3 +159,38 @@ def splits(dataset: Dataset, holdout: int, device: torch.device | str = "cpu") -
         return holdout_split(train, holdout)
     test = dataset.test
     return train, replace(test, images=test.images.to(device), labels=test.labels.to(device))
+
+
+def training_size(data: DataConfig) -> int | None:
+    """The training images left after data.holdout where the config declares their count (an idx dataset's
+    num_train, checked against its files when they are read); None: known once the data is read (`prepare`
+    checks `validate_split` there)."""
+    return data.num_train - data.holdout if data.kind == "idx" and data.num_train is not None else None
+
+
+def validate_split(c: Config, size: int, setting: str | None = None) -> None:
+    """A micro-batch is at most the training split of `size` images (the data order draws each from the rest of
+    one permutation of it and the next: a larger one would silently hold fewer), and so are the b*k samples
+    accumulate=batched computes at once. `setting`: what the command asked, where `c` has auto's choice made
+    before the split's size was known (auto takes the loop for a step beyond the split: `engine.within_split`)."""
+    b, k = c.regime.batch_size, c.regime.num_accum
+    items = "sequences" if c.data.kind == "text" else "images"
+    split = f"the {size:,} training {items} of data={c.data.dataset}" + (
+        f" left after data.holdout={c.data.holdout:,}" if c.data.holdout else "")
+    require("regime.batch_size", b, b <= size, f"an integer in [1, {size}]: a micro-batch is at most {split}")
+    if (setting or c.accumulate) == BATCHED:
+        require("regime.batch_size*regime.num_accum", b * k, b * k <= size,
+                f"at most {size}: accumulate=batched computes a step's {b} x {k} samples at once, at most {split} "
+                "(accumulate=loop draws them a micro-batch at a time)")
+
+
+def data_bytes(data: DataConfig, shape: tuple[int, int, int]) -> int:
+    """Bytes of both splits in memory (uint8 images, int64 labels), as far as known before they are read: an idx
+    dataset's from its files, its training images alone while the files are not there yet; 0 for the others
+    (reading them checks them against data.max_memory_mb)."""
+    if data.kind != "idx" or data.num_train is None:
+        return 0
+    files = [idx.raw_dir(data) / name for name in data.files or {}]
+    if not files or not all(f.is_file() for f in files):
+        return data.num_train * (math.prod(shape) + 8)
+    return sum(f.stat().st_size * (1 if "images" in f.name else 8) for f in files)
