@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from gaexp import faults, liveness, redact
 from gaexp.config import CONFIG_DIR, FAILED_MARKER, AnalysisConfig, Config, job_config, typed
 from gaexp.machine import torchrun_rank
-from gaexp.tags import report_tags
+from gaexp.tags import SAME_AS, is_training_run, report_tags
 
 log = logging.getLogger("gaexp.app")  # the application's log, one name across its modules, as before the split
 
@@ -234,7 +234,7 @@ class ReportCallback(Callback):
     def report(self, config: DictConfig) -> None:
         from mlflow.tracking import MlflowClient
 
-        from gaexp import analysis, tracking  # pandas, scipy, matplotlib: here, where the multirun ends, not in each job
+        from gaexp import analysis, progress, tracking  # pandas, scipy, matplotlib: here, where the multirun ends
 
         sweep_id = Path(config.hydra.sweep.dir).name
         out = Path(config.paths.outputs) / "reports" / sweep_id
@@ -260,6 +260,9 @@ class ReportCallback(Callback):
             log.info("report of sweep %s in %s and MLflow run %s\n%s", sweep_id, written[0].parent, name,
                      analysis.format_precisions(summary) if isinstance(summary, analysis.Precisions)
                      else analysis.format_table(summary))
+        cells = [r for r in tracking.runs_in_sweep(client, [experiment_id], sweep_id) if is_training_run(r.data.tags)]
+        if shared := sum(SAME_AS in r.data.tags for r in cells):
+            log.info("%s", progress.shared_line(shared, len(cells)))
 
 
 def report_command(sweep_id: str, design: AnalysisConfig, config: DictConfig, part: dict | None = None) -> str:

@@ -32,7 +32,8 @@ from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopW
 from gaexp.machine import threads_for, usable_cores
 from gaexp.memory import check_run_memory, measure_memory, memory_problem, peak_rss_bytes
 from gaexp.model import build, check_model
-from gaexp.tags import ACCUMULATE_FALLBACK, CELL_START, DIVERGED_STEP, SINGLE_RUN, cell_tags, trial_tags
+from gaexp.tags import (ACCUMULATE_FALLBACK, ARITHMETIC_KEY, CELL_START, DIVERGED_STEP, SAME_AS, SINGLE_RUN, cell_tags,
+                        trial_tags)
 from gaexp.task.build import make as make_task, problem as task_problem
 from gaexp.team import follow, team
 from gaexp.train import compile_phases, deterministic_cuda, resolve_device, step_plan, train
@@ -81,6 +82,12 @@ def validate(cfg: DictConfig) -> tuple[Config, engine.Choice]:
     return c, choice
 
 
+def may_share(c: Config) -> bool:
+    """Whether a cell may record the steps another run computed (gaexp/engine.py `arithmetic_key`) instead of
+    computing them: share=true, rerun=false, and no Optuna trial (a trial reports its own evaluations)."""
+    return c.share and not c.rerun and c.optuna.study is None
+
+
 # --- one cell, in named steps -----------------------------------------------------------------------
 
 def skip_if_finished(client: MlflowClient, experiment_id: str, keys: list[str], c: Config,
@@ -104,12 +111,15 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                     client: MlflowClient,
                     experiment_id: str, sweep_id: str, hydra_dir: Path | None, bar: bool | None = None,
                     in_sweep: bool = True, cell_start: float | None = None,
-                    started: replicas.Replicas | None = None) -> float:
+                    started: replicas.Replicas | None = None, arithmetic: str | None = None,
+                    source: Run | None = None) -> float:
     """Train inside an MLflow run that holds the config, every evaluation and the summary; return the
     value `returned_value` gives. `bar`: a tqdm bar
     over the steps; None: on a terminal; False: a log line per evaluation). A trial
     reports each evaluation to its study; when pruned, its run ends KILLED and `Stopped` is raised (the
-    app tells the sweeper). `started`: rank 0 of the replicas a launcher started (`run_cell`)."""
+    app tells the sweeper). `started`: rank 0 of the replicas a launcher started (`run_cell`). `arithmetic`: the key
+    of the steps its engine computes where other cells compute the same (gaexp/engine.py), tagged; `source`: the
+    FINISHED run that computed them, whose histories and results the run records instead of training (SAME_AS)."""
     compiled = compile_phases(c.compile, c.norm.name, device)
     if c.regime.replicas > 1:  # under DDP a replica's training runs eager (`replicas.problem` refuses compile=all)
         compiled -= {"train"}
@@ -121,6 +131,8 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                      **({} if in_sweep else {SINGLE_RUN: "true"}),
                      **({CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),
                      **({ACCUMULATE_FALLBACK: choice.reason} if choice.fell_back else {}),
+                     **({ARITHMETIC_KEY: arithmetic} if arithmetic is not None else {}),
+                     **({SAME_AS: source.info.run_id} if source is not None else {}),
                      **trial_tags(c.optuna.study, c.optuna.trial, c.optuna.repeat, c.optuna.repeats))
     reporting = [trial.ReportToTrial(c.optuna)] if c.optuna.study is not None else []
     try:
@@ -137,6 +149,12 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
                 client.log_artifact(run_id, str(Path(tmp) / "config.yaml"))
             if hydra_dir is not None and hydra_dir.is_dir():
                 tracking.log_masked_artifacts(client, run_id, hydra_dir, "hydra")
+            if source is not None:
+                tracking.log_shared(client, run_id, source, memory)
+                log.info("%s: the same steps as run %s (%s), recorded from it, not computed again (share=false computes "
+                         "them)", c.run_name, source.info.run_name, source.info.run_id)
+                points = [(step, value) for step, value, _ in tracking.curves_of(source)]
+                return returned_value(c, points)
             hooks = [DivergenceCheck(every=1 if device.type == "cpu" else 50),
                      *norms.declared(c.norm).hooks_for(model, train_data, c.seed), tracking.MlflowLogger(client, run_id), *reporting,
                      Progress(c.train.num_iterations, c.run_name, bar, compiling_eval="eval" in compiled),
@@ -231,7 +249,12 @@ def lead(cfg: DictConfig, c: Config, choice: engine.Choice, device: torch.device
         log.warning("%s", line)
     resolved["accumulate"] = choice.engine  # the engine used: logged, and in the protocol key
     key = tracking.protocol_key(resolved)
+    arithmetic = (engine.arithmetic_key(resolved, choice, make_task(c.task), tracking.protocol_key)
+                  if c.optuna.study is None else None)  # a trial reports its own evaluations to its study
     memory = measure_memory(model, train_data, c.regime, c.accumulate, device, make_task(c.task))
+    source = (tracking.shared_source(client, experiment_id, arithmetic, c.mlflow.stale_after_s)
+              if arithmetic is not None and may_share(c) else None)
     bar = False if in_sweep and c.progress is None else c.progress  # in a sweep, the sweeper shows progress
     return train_and_track(c, resolved, key, choice, model, train_data, valid_data, dataset.meta, device, memory,
-                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep, started_at, group)
+                           client, experiment_id, sweep_id, hydra_dir, bar, in_sweep, started_at, group,
+                           arithmetic, source)

@@ -18,6 +18,7 @@ an engine's, so two engines' runs of a cell never differ in what they optimize.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -32,6 +33,7 @@ class Choice:
     engine: str  # loop or batched: what computes the run's steps
     setting: str  # what the config asked: loop, batched or auto
     reason: str = ""  # auto's fallback to the loop or the cached engine: why not batched (one line)
+    per_sample: bool = False  # auto took batched and no layer of the model couples a batch's samples
 
     @property
     def fell_back(self) -> bool:
@@ -82,7 +84,7 @@ def choose(setting: str, model: nn.Module, batch_size: int, num_accum: int, spli
     if only:
         return Choice(LOOP, setting, only)
     try:
-        coupled_layers(model)
+        coupled = coupled_layers(model)
     except UnchunkableError as e:
         return Choice(fallback, setting,
                       str(e).removeprefix("accumulate=batched: ").removesuffix("; run accumulate=loop"))
@@ -93,7 +95,7 @@ def choose(setting: str, model: nn.Module, batch_size: int, num_accum: int, spli
     problem = memory_problem(BATCHED)
     if problem is not None:
         return Choice(fallback, setting, f"a step's {n:,} samples at once do not fit: {problem}")
-    return Choice(BATCHED, setting)
+    return Choice(BATCHED, setting, per_sample=not coupled)
 
 
 def within_split(choice: Choice, batch_size: int, num_accum: int, split: int, task: Task | None = None,
@@ -120,3 +122,27 @@ def keys(resolved: Mapping[str, Any], choice: Choice, protocol_key: Callable[[Ma
     engines = [choice.engine, *(e for e in ENGINES if e != choice.engine)] if choice.setting == AUTO_ENGINE \
         else [choice.engine]
     return [protocol_key({**resolved, "accumulate": engine}) for engine in engines]
+
+
+def one_pass(choice: Choice, task: Task, replicas: int) -> bool:
+    """Whether the cell's steps are those of its one micro-batch of b*k, whatever its b and k: auto took the batched
+    engine (one pass over a step's b*k samples), no layer of the model couples the samples (none is chunked by b),
+    the task's loss is the same however the step is split (`Task.split_free`), and one replica computes the step."""
+    return (choice.setting == AUTO_ENGINE and choice.engine == BATCHED and choice.per_sample and task.split_free
+            and replicas == 1)
+
+
+def arithmetic_key(resolved: Mapping[str, Any], choice: Choice, task: Task,
+                   protocol_key: Callable[[Mapping[str, Any]], str]) -> str | None:
+    """The key of the steps this cell's engine will compute, or None where only this cell computes them. Cells of
+    one key train the same model on the same samples in the same order with the same arithmetic, bit for bit
+    (`one_pass`: bs1a16 and bs4a4 are bs16a1): the cell's protocol (`protocol_key`: model, norm, data, seed,
+    precision, optimizer, steps, ...) with the regime as one micro-batch of b*k and the engine batched, beside the
+    compile setting, which changes the kernels."""
+    regime = resolved["regime"]
+    if not one_pass(choice, task, regime.get("replicas", 1)):
+        return None
+    step = regime["batch_size"] * regime["num_accum"]
+    as_one = {**resolved, "regime": {**regime, "batch_size": step, "num_accum": 1}, "accumulate": BATCHED}
+    compiled = resolved.get("compile")  # a runtime key, outside the protocol key: its kernels are not eager's
+    return hashlib.sha256(f"{protocol_key(as_one)}:{compiled}".encode()).hexdigest()[:16]

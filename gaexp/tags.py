@@ -17,6 +17,10 @@ ACCUMULATE_SETTING = "accumulate_setting"  # what was asked (auto, loop, batched
 ACCUMULATE_FALLBACK = "accumulate_fallback"  # why auto fell back to the loop (present only then)
 PRECISION = "precision"  # precision.name
 PROTOCOL_KEY = "protocol_key"  # the digest of the config's result-changing keys: a FINISHED run with it is skipped
+# The digest of the steps its engine computed (gaexp/engine.py arithmetic_key), on a run whose steps another cell
+# computes too (accumulate=auto, batched, no coupled layer: bs1a16 and bs4a4 are bs16a1's pass)
+ARITHMETIC_KEY = "gaexp.arithmetic_key"
+SAME_AS = "gaexp.same_as"  # the run whose computation a shared run records (its histories and results, none of its times)
 # How it ran: the machine's side, never a result.
 DEVICE, THREADS = "device", "threads"  # the device type, torch's intra-op threads
 COMPILED = "compiled"  # the phases compile=auto compiled ("train,eval") or "off"

@@ -6,12 +6,15 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 from torch import nn
 
 from gaexp import analysis, cell, engine, memory, tracking
 from gaexp.cell import run_cell
 from gaexp.model import make_model
+from gaexp.task.build import make as make_task
 from gaexp import tags as runtags
 from gaexp.config import AnalysisConfig
 from tests.conftest import TINY
@@ -172,3 +175,84 @@ def test_a_step_beyond_a_folders_training_images_trains_with_the_loop_under_auto
     assert run.data.tags["accumulate"] == "loop" and run.data.tags["accumulate_fallback"].endswith("14 training images")
     with pytest.raises(ValueError, match=r"regime.batch_size\*regime.num_accum=16; valid: at most 14: accumulate=batched"):
         prepared(compose(*cell_, "accumulate=batched", outputs=tmp_path / "store"))
+
+
+# --- each distinct computation once: cells whose engine computes the same steps share one run ------------------
+
+def key_of(compose, *overrides: str) -> str | None:
+    """The arithmetic key of a cell (gaexp/engine.py), as the cell derives it from its resolved config."""
+    cfg = compose(*AUTO, *overrides)
+    c, choice = cell.validate(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    return engine.arithmetic_key(resolved, choice, make_task(c.task), tracking.protocol_key)
+
+
+BASE = ("norm=gn4", "regime=bs16a1")
+
+
+@pytest.mark.parametrize("part", [
+    "seed=2", "norm=gn16", "train.lr=0.002", "train.num_iterations=6", "train.eval_period=4", "data.holdout=600",
+    "precision=bf16", "model=resnet20", "regime=bs8a1", "regime=bs4a2", "compile=eval", "device_type=cpu",
+])
+def test_the_arithmetic_key_changes_with_each_part_of_what_the_steps_compute(compose, part):
+    """Model, norm, data, seed, precision, optimizer, steps, the optimization batch b*k and the kernels (compile)
+    each change the key; `device_type=cpu` is the base's own value and leaves it."""
+    base = key_of(compose, *BASE)
+    changed = key_of(compose, *BASE, part)
+    assert base is not None and changed is not None
+    assert (changed == base) == (part == "device_type=cpu"), part
+
+
+def test_the_arithmetic_key_is_the_same_for_every_split_of_one_micro_batch(compose):
+    keys = {regime: key_of(compose, "norm=gn4", f"regime={regime}") for regime in ("bs16a1", "bs4a4", "bs1a16", "bs2a8")}
+    assert None not in keys.values() and len(set(keys.values())) == 1, keys
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (("norm=bn", "regime=bs4a4"), "BatchNorm couples a micro-batch's samples: chunked by b"),
+    (("norm=gn4", "regime=w2b2a4"), "two replicas"),
+    (("norm=gn4", "regime=bs4a4", "accumulate=loop"), "the loop, micro-batch by micro-batch"),
+    (("norm=gn4", "regime=bs4a4", "accumulate=batched"), "batched asked, not auto's choice"),
+    (("norm=gn4", "regime=bs4a4", "task=contrastive", "task.negatives=micro"), "each micro-batch's own negatives"),
+])
+def test_a_coupled_norm_replicas_another_engine_or_a_split_dependent_loss_is_never_shared(compose, overrides, why):
+    assert key_of(compose, *overrides) is None, why
+
+
+@pytest.mark.parametrize("overrides, free", [
+    ((), True), (("task=contrastive", "task.negatives=step"), True), (("task=contrastive", "task.negatives=micro"), False),
+    (("task=lm", "model=gpt", "norm=ln", "data=fortunes", "task.loss=token_mean"), False),
+    (("task=lm", "model=gpt", "norm=ln", "data=fortunes", "task.loss=seq_mean"), True),
+    (("task=lm", "model=gpt", "norm=ln", "data=fortunes", "task.loss=step_token_mean"), True),
+    (("task=lm", "model=gpt_moe", "norm=ln", "data=fortunes", "task.loss=step_token_mean", "task.balance=global"), False),
+])
+def test_a_loss_is_split_free_where_its_step_is_the_same_however_split(compose, overrides, free):
+    """A token mean per micro-batch, each micro-batch's own negatives and an MoE's balance depend on the split."""
+    assert make_task(cell.typed(compose(*AUTO, "regime=bs4a4", *overrides)).task).split_free is free
+
+
+def test_a_shared_cell_records_its_twins_run_with_same_as_and_no_time_of_its_own(tmp_path, compose):
+    """bs16a1 trains; bs4a4, the same steps, records them: the same histories, results and curves, tagged with the
+    run it shares and no time or process peak of its own; bs1a16 with share=false computes them again, and gets
+    them bit for bit. The shared run's model is its twin's."""
+    first = prepared(compose(*AUTO, "norm=gn4", "regime=bs16a1", outputs=tmp_path))
+    value = run_cell(first, sweep_id="s")
+    assert run_cell(prepared(compose(*AUTO, "norm=gn4", "regime=bs4a4", outputs=tmp_path)), sweep_id="s") == value
+    run_cell(prepared(compose(*AUTO, "norm=gn4", "regime=bs1a16", "share=false", outputs=tmp_path)), sweep_id="s")
+    client = MlflowClient(first.mlflow.tracking_uri)
+    runs = {r.info.run_name.split("-")[2]: r for r in client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])}
+    twin, shared, computed = runs["bs16a1"], runs["bs4a4"], runs["bs1a16"]
+    assert shared.data.tags[runtags.SAME_AS] == twin.info.run_id
+    assert runtags.SAME_AS not in twin.data.tags and runtags.SAME_AS not in computed.data.tags
+    assert len({r.data.tags[runtags.ARITHMETIC_KEY] for r in runs.values()}) == 1
+    for name in ("valid_acc", "train_loss"):
+        histories = [[(m.step, m.value) for m in client.get_metric_history(r.info.run_id, name)]
+                     for r in (twin, shared, computed)]
+        assert histories[0] == histories[1] == histories[2] and len(histories[0]) == 2, name
+    assert shared.data.metrics["final_valid_acc"] == twin.data.metrics["final_valid_acc"] == value
+    assert tracking.curves_of(shared) == tracking.curves_of(twin)
+    assert not set(shared.data.metrics) & {"samples_per_sec", "wall_seconds", "peak_rss_mb", "batched_peak_rss_mb"}
+    assert {"samples_per_sec", "wall_seconds"} <= set(twin.data.metrics) & set(computed.data.metrics)
+    assert shared.data.metrics["activation_mb"] < twin.data.metrics["activation_mb"]  # its own micro-batch of 4
+    reloaded = [tracking.load_model(first.mlflow.tracking_uri, r.info.run_id).state_dict() for r in (twin, shared)]
+    assert all(torch.equal(reloaded[0][k], reloaded[1][k]) for k in reloaded[0])

@@ -87,7 +87,7 @@ def test_the_plan_costs_a_cell_under_its_precision(compose):
     sweeper = sweeper_on(compose, "+experiment=precision")
     def cost(*overrides):
         cfg = sweeper.cell_config(list(overrides))
-        return cost_of(cfg, check_cell(cfg, overrides))[0]
+        return cost_of(cfg, check_cell(cfg, overrides)[0])[0]
     batched = cost("norm=gn4", "regime=bs4a4", "precision=fp32")
     loop = cost("norm=gn4", "regime=bs4a4", "precision=fp32", "accumulate=loop")
     assert batched < loop
@@ -106,7 +106,7 @@ def test_a_cells_graphs_are_what_its_compile_choice_compiles_for_its_norm(compos
     sweeper = sweeper_on(compose, "+experiment=spec")
     def graphs(*overrides):
         cfg = sweeper.cell_config(list(overrides))
-        return cost_of(cfg, check_cell(cfg, overrides))[1]
+        return cost_of(cfg, check_cell(cfg, overrides)[0])[1]
     assert graphs("norm=in", "regime=bs4a4") == {("eval", "simple", "mnist", "in"),
                                                  ("train", "simple", "mnist", "in", "4", "batched")}
     assert graphs("norm=in", "regime=bs4a4", "accumulate=loop") == {("eval", "simple", "mnist", "in"),
@@ -209,3 +209,16 @@ def test_a_task_without_a_result_is_a_failed_cell_with_its_run_killed_and_the_ot
     assert {job: (r.info.status, r.data.tags.get("gaexp.killed_reason")) for job, r in after.items()} == {
         "7_0": ("KILLED", "SLURM job 7_0 ended CANCELLED"), "7_1": ("KILLED", "SLURM job 7_1 ended TIMEOUT"),
         "7_2": ("RUNNING", None)}
+
+
+def test_the_first_cell_of_one_computation_computes_it_and_the_later_ones_share_it():
+    """Cells alike but for their regime, of one micro-batch of b*k whose steps are its one pass (`one`): the first
+    in launch order computes, the later ones share; another b*k, other overrides, or a cell not one pass never."""
+    from hydra_plugins.gaexp_grid_sweeper.sweeper import shared_cells
+
+    cells = [["norm=gn4", "regime=bs1a16"], ["norm=gn4", "regime=bs16a1"], ["norm=bn", "regime=bs16a1"],
+             ["norm=gn4", "regime=bs4a4"], ["norm=gn4", "regime=bs1a1"], ["norm=none", "regime=bs4a4"],
+             ["norm=bn", "regime=bs4a4"], ["norm=gn4", "regime=bs4a4", "seed=2"]]
+    one = [True, True, False, True, True, True, False, True]
+    samples = [16, 16, 16, 16, 1, 16, 16, 16]
+    assert shared_cells(cells, one, samples) == [False, True, False, True, False, False, False, False]

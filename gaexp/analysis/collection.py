@@ -11,11 +11,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gaexp import metrics
-from gaexp.analysis.columns import (AnalysisError, Collected, EXCLUDED, LAUNCH_WINDOW, PARTS, PROTOCOL, RUN_METRICS,
+from gaexp.analysis.columns import (AnalysisError, Collected, EXCLUDED, LAUNCH_WINDOW, PARTS, PROTOCOL, RUN_METRICS, SHARED,
                                     TIDY, TRAIN_LOSS, VALID_ACC, number_or_nan)
 from gaexp.config import ADDED_DEFAULTS, PROTOCOL_COLUMNS
 from gaexp.tags import (BATCH_SIZE, DATASET, MODEL, NORM, NUM_ACCUM, OPTUNA_STUDY, PLAN_ROLE, PRECISION, REGIME,
-                        ROLE, SEED, SINGLE_RUN, SWEEP_ID, filter_equals, filter_present, in_sweep, is_training_run)
+                        ROLE, SAME_AS, SEED, SINGLE_RUN, SWEEP_ID, filter_equals, filter_present, in_sweep, is_training_run)
 from gaexp.tracking import curves_of, newest_run, runs_in_sweep, search_all, sweeps_of
 
 
@@ -101,12 +101,12 @@ def collect(client: MlflowClient, experiment_name: str, sweep: str = "latest", d
                    for name, key in zip(PROTOCOL, PROTOCOL_COLUMNS)}}
         run_rows.append({**{k: base[k] for k in [*TIDY[:7], *PARTS]},
                          **{m: run.data.metrics.get(m, np.nan) for m in RUN_METRICS},
-                         LAUNCH_WINDOW: number_or_nan(params.get("analysis.window_start", "nan"))})
+                         LAUNCH_WINDOW: number_or_nan(params.get("analysis.window_start", "nan")), SHARED: SAME_AS in tags})
         for step, acc, loss in curves(client, run):
             rows.append({**base, "step": step, VALID_ACC: acc, TRAIN_LOSS: loss})
     data = pd.DataFrame(rows, columns=TIDY)
     collected = Collected(data, pd.DataFrame(excluded, columns=EXCLUDED), sweep,
-                          pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS, LAUNCH_WINDOW]))
+                          pd.DataFrame(run_rows, columns=[*TIDY[:7], *PARTS, *RUN_METRICS, LAUNCH_WINDOW, SHARED]))
     return select(collected, dataset=dataset, model=model, precision=precision)
 
 

@@ -42,6 +42,7 @@ PARTS = {DATASET: "data.dataset", MODEL: "model.name", PRECISION: "precision.nam
 
 # of these: one per value (and runs of several precisions are compared, `compare_precisions`)
 LAUNCH_WINDOW = "launch_window_start"  # a run's analysis.window_start as its command had it (its sweep's report's)
+SHARED = "shared"  # the run records the steps another run computed (tag gaexp.same_as): its results, none of its times
 
 
 RUN_METRICS = list(metrics.RESOURCES)  # what each run cost (batched_*: accumulate=batched)

@@ -14,11 +14,12 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import arguments
 from gaexp.analysis.collection import collect, datasets_in, select, values_in
-from gaexp.analysis.columns import AnalysisError, Collected, LAUNCH_WINDOW, PARTS, load_study
+from gaexp.analysis.columns import AnalysisError, Collected, LAUNCH_WINDOW, PARTS, SHARED, load_study
 from gaexp.analysis.figures import export_plots
 from gaexp.analysis.stats import Precisions, Summary, compare_precisions, summarize
 from gaexp.analysis.tables import export, export_precisions, export_tables, format_precisions
 from gaexp.config import ADDED_DEFAULTS, AnalysisConfig
+from gaexp.progress import shared_line
 from gaexp.tags import DATASET, MODEL, PRECISION
 
 
@@ -31,6 +32,13 @@ def report(tracking_uri: str, experiment_name: str, sweep: str = "latest", desig
     summary = summarize(collected.data, design or AnalysisConfig())
     folder = report_folder(collected, out, outputs_root)
     return summary, collected, (export if plots else export_tables)(collected, summary, folder)
+
+
+def shared_note(collected: Collected) -> str | None:
+    """The report's one line on its runs that record another run's steps (gaexp.same_as), or None without any."""
+    runs = collected.runs
+    shared = 0 if runs is None or SHARED not in runs else int(runs[SHARED].sum())
+    return shared_line(shared, len(runs)) if shared else None
 
 
 def report_folder(collected: Collected, out: Path | None = None, outputs_root: Path = Path("outputs")) -> Path:
@@ -137,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"sweep: {collected.sweep}  dataset: {', '.join(datasets_in(collected))}  {shown_model}"
           f"runs: {collected.data.run_id.nunique()} finished, "
           f"{len(collected.excluded)} excluded")
+    if (shared := shared_note(collected)) is not None:
+        print(shared)
     written = []
     for _, part, summary, out in made:  # each precision's table is titled with it: mnist, bf16
         files = export_tables(part, summary, out)

@@ -567,6 +567,11 @@ class Config(Checked):
                                        "not rerun)",
                           valid=one_of(*ENGINES, AUTO_ENGINE), was="loop")  # what every run recorded before this key ran
     rerun: bool = key(False, "run a cell again even if it already FINISHED with the same protocol", runtime=True)
+    share: bool = key(True, "under accumulate=auto, a cell whose engine computes the same steps as a run already made "
+                            "(the same pass over the same samples: bs1a16 and bs4a4 as bs16a1 where no layer couples "
+                            "the samples) records that run's histories and results, tagged gaexp.same_as, instead of "
+                            "computing them again; false (or rerun=true, or accumulate=loop): compute every cell",
+                      runtime=True)
     progress: Optional[bool] = key(None, "null: a bar on a terminal, a log line per evaluation otherwise",
                                    runtime=True)
     paths: PathsConfig = node(PathsConfig, "output folders", runtime=True)

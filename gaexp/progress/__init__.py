@@ -20,7 +20,8 @@ from gaexp.progress.cost import (MICRO_S, BATCH_EXPONENT, STEP_S, EVAL_IMAGE_S, 
                                  TRAIN_GRAPH, PRECISION_COST, expected_seconds, precision_cost, replica_work,
                                  graph_keys, graph_units, run_seconds, run_graphs)
 from gaexp.progress.account import (MAX_COSTS, DONE, Cell, Plan, Snapshot, SPEED_PRIOR, NOISE, NOISE_FLOOR_S,
-                                    FRESH_S, Rates, fit_rates, finish, snapshot, summary_line, costs_tag, plan_costs)
+                                    FRESH_S, Rates, fit_rates, finish, snapshot, summary_line, shared_line, costs_tag,
+                                    plan_costs)
 from gaexp.progress.sweep import sweep_runs, plan_of, cell_of, cells_of, firsts, read
 from gaexp.progress.live import running_lines, Live
 from gaexp.progress.status import (sweeps_to_show, SWEEP_CHOICES, newest_sweep, search_lines, RESUME, sweep_stopped,
@@ -30,6 +31,6 @@ __all__ = ["MICRO_S", "BATCH_EXPONENT", "STEP_S", "EVAL_IMAGE_S", "DRAW_S", "CEL
            "TRAIN_GRAPH", "PRECISION_COST", "expected_seconds", "precision_cost", "replica_work", "graph_keys",
            "graph_units", "run_seconds", "run_graphs", "MAX_COSTS", "DONE", "Cell", "Plan", "Snapshot",
            "SPEED_PRIOR", "NOISE", "NOISE_FLOOR_S", "FRESH_S", "Rates", "fit_rates", "finish", "snapshot",
-           "summary_line", "costs_tag", "plan_costs", "sweep_runs", "plan_of", "cell_of", "cells_of", "firsts",
+           "summary_line", "shared_line", "costs_tag", "plan_costs", "sweep_runs", "plan_of", "cell_of", "cells_of", "firsts",
            "read", "running_lines", "Live", "sweeps_to_show", "SWEEP_CHOICES", "newest_sweep", "search_lines",
            "RESUME", "sweep_stopped", "status_text", "main", "show"]

@@ -195,6 +195,14 @@ def summary_line(s: Snapshot, work: bool = True) -> str:
     return line + f"; elapsed {duration(s.elapsed_s)}, " + ("stopped" if s.stopped else f"ETA {duration(s.eta_s)}")
 
 
+def shared_line(shared: int, total: int) -> str:
+    """How many of a sweep's cells record another cell's steps instead of computing them, and why (one line: the
+    sweeper's plan, gaexp-status, the report)."""
+    return (f"{shared} of {total} cells record the steps of another cell (tag gaexp.same_as) instead of computing them "
+            "again: under accumulate=auto no layer couples their samples, so micro-batch b of k accumulation steps is "
+            "one pass over the same b*k samples (share=false computes each cell)")
+
+
 def costs_tag(costs: Sequence[tuple[float, float]]) -> str | None:
     """`COSTS`'s value, or None when it would not fit in a tag (the ETA then shares the work out evenly)."""
     text = " ".join(f"{e:.1f}:{g:g}" for e, g in costs)

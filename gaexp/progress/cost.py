@@ -8,7 +8,8 @@ from typing import Iterable, Mapping
 
 from gaexp.config import FP32
 from gaexp.study import TEST_IMAGES
-from gaexp.tags import ACCUMULATE, BATCH_SIZE, COMPILED, DATASET, DEVICE, MODEL, NORM, NUM_ACCUM, PRECISION, REPLICAS
+from gaexp.tags import (ACCUMULATE, BATCH_SIZE, COMPILED, DATASET, DEVICE, MODEL, NORM, NUM_ACCUM, PRECISION, REPLICAS,
+                        SAME_AS)
 
 
 # One core of the 2-core machine, compile=auto (the 60-cell grid and the ETA's figures, docs/results.md):
@@ -78,7 +79,9 @@ def graph_units(keys: Iterable[tuple[str, ...]]) -> float:
 
 def run_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
     """`expected_seconds` of a cell's run, from its tags and logged config (w replicas: their core-seconds, as
-    `replica_work` counts them)."""
+    `replica_work` counts them); a run that records another's steps (SAME_AS), its records alone (CELL_S)."""
+    if SAME_AS in tags:
+        return CELL_S
     return expected_seconds(int(tags[BATCH_SIZE]), replica_work(int(tags[NUM_ACCUM]), int(tags.get(REPLICAS, 1))),
                             int(params["train.num_iterations"]),
                             int(params["train.eval_period"]), int(params.get("data.holdout", 0)) or TEST_IMAGES,
@@ -87,7 +90,9 @@ def run_seconds(tags: Mapping[str, str], params: Mapping[str, str]) -> float:
 
 
 def run_graphs(tags: Mapping[str, str]) -> frozenset[tuple[str, ...]]:
-    """`graph_keys` of a cell's run, from its tags (`compiled`: what it compiled)."""
+    """`graph_keys` of a cell's run, from its tags (`compiled`: what it compiled; a shared run: nothing)."""
+    if SAME_AS in tags:
+        return frozenset()
     phases = [] if tags.get(COMPILED, "off") == "off" else tags[COMPILED].split(",")
     return graph_keys(phases, tags.get(MODEL, ""), tags.get(DATASET, ""), tags.get(NORM, ""),
                       int(tags.get(BATCH_SIZE, 0)), tags.get(ACCUMULATE, "loop"))

@@ -14,11 +14,11 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gaexp import arguments
-from gaexp.progress.account import Cell, Plan, snapshot, summary_line
+from gaexp.progress.account import Cell, Plan, shared_line, snapshot, summary_line
 from gaexp.progress.live import running_lines
 from gaexp.progress.sweep import cells_of, plan_of, sweep_runs
 from gaexp.redact import mask, reconnectable
-from gaexp.tags import (NORM, OPTUNA_STUDY, PLAN_ROLE, ROLE, SWEEP_ID, filter_equals, filter_present, in_sweep,
+from gaexp.tags import (NORM, OPTUNA_STUDY, PLAN_ROLE, ROLE, SAME_AS, SWEEP_ID, filter_equals, filter_present, in_sweep,
                         is_training_run)
 from gaexp.tracking import newest_run, recorded_process, search_all
 from hydra_plugins.gaexp_optuna_sweeper import tally
@@ -112,7 +112,9 @@ def status_text(client: MlflowClient, experiment_id: str, sweep_id: str, stale_a
     search = None if plan_run is not None else search_lines(runs, sweep_id, now)
     state = (f" ({plan_run.info.status})" if plan_run is not None else " (Optuna search)" if search is not None
              else " (no plan recorded: cells so far)")
-    lines = [f"sweep {sweep_id}{state}", *(search or ["  " + summary_line(snap)]), *([RESUME] if stopped else []),
+    shared = sum(SAME_AS in run.data.tags for run in runs)
+    lines = [f"sweep {sweep_id}{state}", *(search or ["  " + summary_line(snap)]),
+             *(["  " + shared_line(shared, len(cells))] if shared else []), *([RESUME] if stopped else []),
              *running_lines(cells, stale_after_s)]
     ended = ("FAILED",) if search is not None else ("FAILED", "KILLED")  # a search's KILLED: pruned, counted above
     for c in sorted((c for c in cells if c.status in ended), key=lambda c: c.name):

@@ -57,6 +57,17 @@ class Task:
         return self.normalization == STEP or self.step_pass
 
     @property
+    def split_free(self) -> bool:
+        """Whether a step's loss is the same however the step is split into micro-batches, under an engine that
+        computes it in one pass (gaexp/batched.py): a mean over every item of the step (the default `chunked_loss`),
+        a sum over the step's count, or one loss of the whole step's outputs; never a loss that reads the model
+        beyond its outputs (an MoE's balance per micro-batch). Cells that differ only in their split then compute the
+        same steps (gaexp/engine.py `arithmetic_key`)."""
+        if self.reads_model:
+            return False
+        return self.normalization != MICRO or type(self).chunked_loss is Task.chunked_loss
+
+    @property
     def whole_outputs(self) -> bool:
         """Whether the loss is one function of the whole step's outputs (OUTPUTS), not a sum over micro-batches."""
         return self.normalization == OUTPUTS

@@ -149,6 +149,12 @@ class LanguageModel(Task):
             return sums.sum()
         return sums.sum() / counts.sum()
 
+    @property
+    def split_free(self) -> bool:
+        """token_mean alone divides by each micro-batch's own count; every other loss is the step's whatever its
+        split (seq_mean: every micro-batch holds b sequences)."""
+        return not self.reads_model and self.choice != "token_mean"
+
     def chunked_loss(self, outputs: torch.Tensor, targets: torch.Tensor, parts: int) -> torch.Tensor:
         if self.choice != "token_mean":  # seq_mean: every micro-batch has b sequences, the mean over all is exact
             return self.loss(outputs, targets)

@@ -17,6 +17,8 @@ from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
 from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 
+from gaexp.tags import SAME_AS
+
 if TYPE_CHECKING:  # torch and MLflow's flavour load only where a model is logged or loaded (gaexp-status stays light)
     import torch
 
@@ -100,11 +102,14 @@ def log_model(client: MlflowClient, run_id: str, model: torch.nn.Module, step: i
 
 def load_model(tracking_uri: str, run_id: str, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model a run logged (`log_model`; the last one if several), on `device`, in eval mode: from a SQLite
-    store or a tracking server alike, nothing retrained."""
+    store or a tracking server alike, nothing retrained. A run that shared another's computation (SAME_AS) has
+    that run's model."""
     import mlflow.artifacts
     flavour = pytorch_flavour()
     client = MlflowClient(tracking_uri)
     run = client.get_run(run_id)
+    if SAME_AS in run.data.tags:
+        run = client.get_run(run.data.tags[SAME_AS])
     outputs = run.outputs.model_outputs if run.outputs else []
     if not outputs:
         raise ValueError(f"run {run.info.run_name!r} ({run_id}) in {tracking_uri} logged no model "

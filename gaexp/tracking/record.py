@@ -119,6 +119,19 @@ def log_params(client: MlflowClient, run_id: str, config: Mapping[str, Any]) -> 
         client.log_batch(run_id, params=params[i:i + 100])
 
 
+def log_shared(client: MlflowClient, run_id: str, source: Run, extra: Mapping[str, float] | None = None) -> None:
+    """In `run_id`, what `source` computed for it (SAME_AS): every metric history and result, at their steps, and
+    its curves; none of what it measured of its machine or its micro-batch (RESOURCES: times, memory), of which the
+    shared run logs `extra` alone (its own micro-batch's activations)."""
+    now = int(time.time() * 1000)
+    logged = [Metric(name, m.value, now, m.step) for name in sorted(source.data.metrics) if name not in metrics.RESOURCES
+              for m in client.get_metric_history(source.info.run_id, name)]
+    logged += [Metric(name, value, now, max((m.step for m in logged), default=0)) for name, value in (extra or {}).items()]
+    curves = [RunTag(name, value) for name, value in source.data.tags.items() if name == CURVES or name.startswith(f"{CURVES}.")]
+    for i in range(0, max(len(logged), 1), 1000):  # MLflow takes at most 1,000 metrics per batch
+        client.log_batch(run_id, metrics=logged[i:i + 1000], tags=curves if i == 0 else [])
+
+
 def log_eval_point(client: MlflowClient, run_id: str, point: EvalPoint) -> None:
     """One batch per evaluation: the metric histories, with step = optimizer step, and the heartbeat."""
     now = int(time.time() * 1000)

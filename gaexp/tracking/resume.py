@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import liveness
 from gaexp.config import protocol_part
-from gaexp.tags import ERROR, HEARTBEAT, HOST, KILLED_REASON, PROCESS_START, PROTOCOL_KEY, SLURM_JOB, SWEEPS, filter_equals
+from gaexp.tags import (ARITHMETIC_KEY, ERROR, HEARTBEAT, HOST, KILLED_REASON, PROCESS_START, PROTOCOL_KEY, SAME_AS, SLURM_JOB,
+                        SWEEPS, filter_equals)
 from gaexp.tracking.search import search_all, sweeps_of
 
 log = logging.getLogger("gaexp.app")  # the application log, one name across its modules
@@ -44,12 +45,12 @@ def recorded_process(run: Run) -> tuple[str, str, float]:
 
 
 def live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s: float,
-              now: float | None = None) -> list[Run]:
+              now: float | None = None, tag: str = PROTOCOL_KEY) -> list[Run]:
     """The RUNNING runs of the same protocol whose process still runs on this host (another process than this
     one) with a heartbeat younger than `stale_after_s`: a cell that a killed sweep's worker may still train."""
     now = time.time() if now is None else now
     live = []
-    for run in client.search_runs([experiment_id], f"{filter_equals(PROTOCOL_KEY, key)} and attributes.status = 'RUNNING'"):
+    for run in client.search_runs([experiment_id], f"{filter_equals(tag, key)} and attributes.status = 'RUNNING'"):
         tags = run.data.tags
         host, pid, beat = recorded_process(run)
         if (host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid() and now - beat <= stale_after_s
@@ -59,11 +60,12 @@ def live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s:
 
 
 def wait_for_live_runs(client: MlflowClient, experiment_id: str, key: str, stale_after_s: float,
-                       poll_s: float = 1.0) -> list[str]:
-    """Wait while a run of the same protocol runs in another live process on this host (`live_runs`), so that a
-    cell is never trained twice at once; returns the names of the runs waited for."""
+                       poll_s: float = 1.0, tag: str = PROTOCOL_KEY) -> list[str]:
+    """Wait while a run of the same protocol (`tag`: or of the same arithmetic, ARITHMETIC_KEY) runs in another live
+    process on this host (`live_runs`), so that a cell is never trained twice at once; returns the names of the runs
+    waited for."""
     waited: list[str] = []
-    while runs := live_runs(client, experiment_id, key, stale_after_s):
+    while runs := live_runs(client, experiment_id, key, stale_after_s, tag=tag):
         for run in runs:
             if run.info.run_name not in waited:
                 waited.append(run.info.run_name)
@@ -71,6 +73,19 @@ def wait_for_live_runs(client: MlflowClient, experiment_id: str, key: str, stale
                          run.data.tags[HOST])
         time.sleep(poll_s)
     return waited
+
+
+def shared_source(client: MlflowClient, experiment_id: str, key: str, stale_after_s: float) -> Run | None:
+    """The FINISHED run that computed the steps of arithmetic key `key` (gaexp/engine.py `arithmetic_key`), once
+    a run of that key still training in another live process here has ended; None: no run computed them yet. A run
+    that itself shared them points to the one that computed them (SAME_AS)."""
+    wait_for_live_runs(client, experiment_id, key, stale_after_s, tag=ARITHMETIC_KEY)
+    runs = client.search_runs([experiment_id], f"{filter_equals(ARITHMETIC_KEY, key)} and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time ASC"], max_results=1)
+    if not runs:
+        return None
+    source = runs[0].data.tags.get(SAME_AS)
+    return runs[0] if source is None else client.get_run(source)
 
 
 def add_to_sweep(client: MlflowClient, run: Run, sweep_id: str) -> None:

@@ -62,17 +62,35 @@ def cost_of(cfg: DictConfig, accumulate: str) -> Tuple[float, FrozenSet[Tuple[st
                                      progress.precision_cost(cfg.precision.name, cfg.device_type)), graphs
 
 
-def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> str:
-    """Every check the cell's job would make before training (gaexp.cell.validated), here, before anything of the
+def check_cell(cfg: DictConfig, overrides: Sequence[str]) -> Tuple[str, bool]:
+    """Every check the cell's job would make before training (gaexp.cell.validate), here, before anything of the
     sweep is recorded; a bad value in a swept axis ends the command with one line naming the cell. Returns the
-    engine the cell will train with (accumulate=auto resolved)."""
-    from gaexp.cell import validated  # the cell's own checks; gaexp loads when a sweep runs
+    engine the cell will train with (accumulate=auto resolved) and whether it may record the steps of another cell
+    of the same one micro-batch of b*k instead of computing them (gaexp/engine.py `one_pass`, gaexp.cell.may_share)."""
+    from gaexp.cell import may_share, validate  # the cell's own checks; gaexp loads when a sweep runs
     from gaexp.config import job_config
+    from gaexp.engine import one_pass
+    from gaexp.task.build import make as make_task
 
     try:
-        return validated(job_config(cfg)).accumulate
+        c, choice = validate(job_config(cfg))
     except Exception as e:  # noqa: BLE001 - every kind of bad input ends the command the same way
         raise SystemExit(f"error: cell {' '.join(overrides)}: {e}") from None
+    return c.accumulate, may_share(c) and one_pass(choice, make_task(c.task), c.regime.replicas)
+
+
+def shared_cells(cells: Sequence[Sequence[str]], one: Sequence[bool], samples: Sequence[int]) -> List[bool]:
+    """Pure: which cells, in launch order, record the steps of an earlier one instead of computing them: cells
+    whose steps are their one micro-batch's (`one`) with the same overrides but their regime and the same b*k
+    (`samples`) compute the same thing (gaexp/engine.py `arithmetic_key`); the first computes, the rest share."""
+    first: set = set()
+    shared = []
+    for cell, alone, n in zip(cells, one, samples):
+        key = (tuple(o for o in cell if not o.lstrip("+~").startswith("regime")), n)
+        shared.append(alone and key in first)
+        if alone:
+            first.add(key)
+    return shared
 
 
 def longest_first(cells: Sequence[Sequence[str]], costs: Sequence[float]) -> List[List[str]]:
@@ -99,7 +117,7 @@ class GridSweeper(BasicSweeper):
 
     def cost(self, overrides: Sequence[str]) -> float:
         cfg = self.cell_config(overrides)
-        return cost_of(cfg, check_cell(cfg, overrides))[0]
+        return cost_of(cfg, check_cell(cfg, overrides)[0])[0]
 
     def sweep(self, arguments: List[str]) -> Any:
         from gaexp import progress
@@ -108,17 +126,23 @@ class GridSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         (cells,) = self.split_arguments(parser.parse_overrides([*self._parse_config(), *arguments]), None)
         varying = [i for i in range(len(cells[0]) if cells else 0) if len({c[i] for c in cells}) > 1]
-        costs, compiles = [], []
+        costs, compiles, one, samples = [], [], [], []
         for cell in cells:  # composed and checked as its job will be: bad input stops the sweep before the plan run
             cfg = self.cell_config(cell)
-            engine = check_cell(cfg, [cell[i] for i in varying])
+            engine, alone = check_cell(cfg, [cell[i] for i in varying])
             cost, compiled = cost_of(cfg, engine)
             costs.append(cost)
             compiles.append(compiled)
-        if self.order == "longest_first":
-            order = sorted(range(len(cells)), key=lambda i: -costs[i])  # as longest_first orders them
-            cells = longest_first(cells, costs)
-            costs, compiles = [costs[i] for i in order], [compiles[i] for i in order]
+            one.append(alone)
+            samples.append(cfg.regime.batch_size * cfg.regime.num_accum)
+        for _ in range(2 if self.order == "longest_first" else 1):  # ordered, then shared cells (nearly free) last
+            if self.order == "longest_first":
+                order = sorted(range(len(cells)), key=lambda i: -costs[i])  # as longest_first orders them
+                cells = longest_first(cells, costs)
+                costs, compiles, one, samples = ([x[i] for i in order] for x in (costs, compiles, one, samples))
+            shared = shared_cells(cells, one, samples)
+            costs = [progress.CELL_S if s else cost for s, cost in zip(shared, costs)]
+            compiles = [frozenset() if s else graphs for s, graphs in zip(shared, compiles)]
         graphs: set = set()
         new = []  # each cell's graphs that no cell launched before it compiles
         for compiled in compiles:
@@ -134,6 +158,8 @@ class GridSweeper(BasicSweeper):
         log.info("%d cells, %s (first: %s); expected work %s on one core of the reference machine", len(cells),
                  self.order.replace("_", " "), " ".join(cells[0][i] for i in varying) if cells else "-",
                  duration(plan.expected_s))
+        if sum(shared):
+            log.info("%s", progress.shared_line(sum(shared), len(cells)))
         with self.resumable(sweep_dir.name, len(cells)):
             sweep_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
