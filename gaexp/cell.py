@@ -29,10 +29,10 @@ from gaexp.data.dataset import Meta, describe, open_dataset, training_size, vali
 from gaexp.data.idx import raw_dir
 from gaexp.trial import returned_value
 from gaexp.hooks import DivergedError, DivergenceCheck, Progress, Stopped, StopWhenSweepGone, SweepGone
-from gaexp.machine import threads_for, usable_cores
+from gaexp.machine import cpu_kind, threads_for, usable_cores
 from gaexp.memory import check_run_memory, measure_memory, memory_problem, peak_rss_bytes
 from gaexp.model import build, check_model
-from gaexp.tags import (ACCUMULATE_FALLBACK, ARITHMETIC_KEY, CELL_START, DIVERGED_STEP, SAME_AS, SINGLE_RUN, cell_tags,
+from gaexp.tags import (ACCUMULATE_FALLBACK, ARITHMETIC_KEY, CELL_START, CPU, DIVERGED_STEP, SAME_AS, SINGLE_RUN, cell_tags,
                         trial_tags)
 from gaexp.task.build import make as make_task, problem as task_problem
 from gaexp.team import follow, team
@@ -126,7 +126,7 @@ def train_and_track(c: Config, resolved: dict, key: str, choice: engine.Choice, 
     tags = cell_tags(dataset=c.data.dataset, model=c.model.name, norm=c.norm.name, regime=c.regime.name, seed=c.seed,
                      batch_size=c.regime.batch_size, num_accum=c.regime.num_accum, replicas=c.regime.replicas,
                      accumulate=c.accumulate, precision=c.precision.name, setting=choice.setting, sweep_id=sweep_id,
-                     protocol_key=key, device=device.type, threads=torch.get_num_threads(),
+                     protocol_key=key, device=device.type, threads=torch.get_num_threads(), **{CPU: cpu_kind()},
                      compiled=",".join(sorted(compiled, reverse=True)) or "off",  # what compile=auto chose
                      **({} if in_sweep else {SINGLE_RUN: "true"}),
                      **({CELL_START: f"{cell_start:.3f}"} if cell_start is not None else {}),

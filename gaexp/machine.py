@@ -80,3 +80,16 @@ def threads_for(setting: int | str, cells: int | None, cores: int | None = None)
     cores = cores or usable_cores()
     jobs = cells if cells > 0 else max(1, cores + 1 + cells)  # joblib: -1 = all cores, -2 = all but one
     return max(1, cores // jobs)
+
+
+def cpu_kind(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This CPU's model and the instruction set torch's CPU kernels use here ("AMD EPYC (AVX512)"): runs on the
+    same kind with the same threads repeat bit for bit; on another kind, within rounding (docs/study.md)."""
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in (cpuinfo.read_text(errors="replace").splitlines()
+                                                            if cpuinfo.is_file() else []) if line.startswith("model name")),
+                 platform.processor() or platform.machine() or "unknown CPU")
+    return f"{model} ({torch.backends.cpu.get_cpu_capability()})"

@@ -23,6 +23,8 @@ ARITHMETIC_KEY = "gaexp.arithmetic_key"
 SAME_AS = "gaexp.same_as"  # the run whose computation a shared run records (its histories and results, none of its times)
 # How it ran: the machine's side, never a result.
 DEVICE, THREADS = "device", "threads"  # the device type, torch's intra-op threads
+CPU = "gaexp.cpu"  # the CPU's model and the instruction set torch's kernels use on it (machine.cpu_kind): bit for bit
+# on the same kind and threads
 COMPILED = "compiled"  # the phases compile=auto compiled ("train,eval") or "off"
 SWEEP_ID = "sweep_id"  # the sweep that ran it (a single run's own timestamp id)
 SWEEPS = "gaexp.sweeps"  # comma-separated: the sweep that ran a run, then every sweep that resumed over it

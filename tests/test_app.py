@@ -52,6 +52,7 @@ def test_run_cell_returns_the_final_accuracy_it_logged(tmp_path, compose):
     (run,) = client.search_runs([client.get_experiment_by_name("gaexp").experiment_id])
     assert run.info.run_name == "gn16-bs4a4-s1" and run.info.status == "FINISHED"
     assert run.data.metrics["final_valid_acc"] == accuracy
+    assert run.data.tags["gaexp.cpu"].endswith(f" ({torch.backends.cpu.get_cpu_capability()})")  # what repeats it
     assert [m.step for m in client.get_metric_history(run.info.run_id, "valid_acc")] == [2, 3]
     assert run.data.params["regime.batch_size"] == "4" and run.data.params["train.num_iterations"] == "3"
     assert run.data.params["mlflow.tracking_uri"] == f"sqlite:///{tmp_path}/mlflow.db"

@@ -17,7 +17,7 @@ from gaexp import tracking
 from gaexp.config import (CONFIG_DIR, OBJECTIVE_KEYS, PROTOCOL_COLUMNS, AnalysisConfig, Config, RegimeConfig, protocol_part, regime_name,
                           composition_problem, hydra_overrides, runtime_keys, typed, unknown_choice)
 from gaexp.configdocs import DOCS_PAGE, markdown_table
-from gaexp.machine import cgroup_cpus, usable_cores
+from gaexp.machine import cgroup_cpus, cpu_kind, usable_cores
 from gaexp.model import SimpleModel
 from gaexp.layers import BatchRenorm2d, CrossReplicaBatchNorm2d, MicroBatchEvalBatchNorm2d, PreciseBatchNorm2d
 from gaexp.norms import NORMS, norm_layer
@@ -411,6 +411,13 @@ def test_no_module_at_the_packages_root_only_forwards_to_another():
                 if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]  # the docstring
         own = [node for node in body if not isinstance(node, (ast.Import, ast.ImportFrom, ast.If))]
         assert own, f"gaexp/{path.name} only forwards to another module: serve its name from one place"
+
+
+def test_the_cpu_kind_names_the_model_and_the_instruction_set_torchs_kernels_use(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Gold 6338 CPU\nflags\t: fpu\n")
+    assert cpu_kind(info) == f"Intel(R) Xeon(R) Gold 6338 CPU ({torch.backends.cpu.get_cpu_capability()})"
+    assert cpu_kind(tmp_path / "absent").endswith(f" ({torch.backends.cpu.get_cpu_capability()})")  # macOS: no file
 
 
 @pytest.mark.parametrize("files, cpus", [
