@@ -103,9 +103,9 @@ def test_a_cancelled_task_fails_its_cell_alone_and_the_same_command_redoes_only_
     has marked its run KILLED; run again, it trains that cell only."""
     uri, _ = server
     overrides = [*SLURM, f"mlflow.tracking_uri={uri}", "mlflow.experiment_name=slurm-cancel", "norm=gn4",
-                 "regime=bs16a1,bs4a4", "train.num_iterations=600", "train.eval_period=600"]  # seconds of
-    # training: the victim must still be running when the test, having seen it RUNNING, cancels it (at 150 steps
-    # a fast machine finished it in between: seen FINISHED, not KILLED)
+                 "regime=bs16a1,bs4a4", "train.num_iterations=200", "train.eval_period=200"]  # seconds of
+    # training: the victim must still be running when the test, having seen it RUNNING, suspends it (at 150 steps
+    # a fast machine finished it between the test's look and its scancel; suspended first, it cannot)
     first = subprocess.Popen(gaexp_argv(tmp_path, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -118,8 +118,11 @@ def test_a_cancelled_task_fails_its_cell_alone_and_the_same_command_redoes_only_
         time.sleep(0.5)
     job = victim.data.tags["slurm_job_id"]
     other = f"{job.split('_')[0]}_{1 - int(job.split('_')[1])}"
-    # The other task is held (SIGSTOP) until the command has dealt with the cancelled one, so that it surely
-    # ends after the command knew of the cancel: only a command that waits for every task sees it finish.
+    # The victim is held (SIGSTOP) and seen still RUNNING before it is cancelled: it cannot end in between. The
+    # other task is held until the command has dealt with the cancelled one, so that it surely ends after the
+    # command knew of the cancel: only a command that waits for every task sees it finish.
+    assert slurm.run("scontrol", "suspend", job).returncode == 0
+    assert training_runs(uri, "slurm-cancel")[1]["gn4-bs16a1-s1"].info.status == "RUNNING", "it ended before its hold"
     assert slurm.run("scontrol", "suspend", other).returncode == 0
     assert slurm.run("scancel", job).returncode == 0
     reason = f"SLURM job {job} ended CANCELLED"
