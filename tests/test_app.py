@@ -27,6 +27,7 @@ from gaexp import analysis, app, callbacks, cell, liveness, progress
 from gaexp.data import batches, idx
 from gaexp import tags as runtags
 from gaexp import train as train_module
+from gaexp.model import make_model
 from gaexp.app import hydra_sweep_problem
 from gaexp.callbacks import prepare, report_command
 from gaexp.cell import run_cell
@@ -174,7 +175,7 @@ def test_a_norm_and_a_model_each_added_in_one_file_of_ones_own_folder_run_a_cell
     assert run.info.run_name == "tiny-in_running-bs4a4-s1" and run.data.metrics["final_valid_acc"] == accuracy
     assert (run.data.tags["model"], run.data.tags["norm"]) == ("tiny", "in_running")
     assert run.data.params["norm.target"] == "torch.nn:InstanceNorm2d" and run.data.params["model.target"] == "tiny_nets:build"
-    norm = cell.make_model(cell.typed(cfg), 1, 10)[1]
+    norm = make_model(cell.typed(cfg), 1, 10)[1]
     assert type(norm) is torch.nn.InstanceNorm2d and norm.affine and norm.track_running_stats
     bad = compose(*TINY, f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "norm=in_running", "+norm.params.nope=1",
                   outputs=tmp_path / "out")

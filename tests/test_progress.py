@@ -44,6 +44,17 @@ def test_a_data_parallel_cell_costs_the_cores_of_its_accumulation_twin():
     assert dp > progress.run_seconds({"batch_size": "4", "num_accum": "2", "replicas": "1"}, params)
 
 
+def test_a_shared_run_costs_its_records_alone_and_compiles_nothing():
+    """A run that records another's steps (gaexp.same_as) counts as nearly free in the ETA's fit, as in the plan:
+    its cell's fixed cost, no training or evaluation, and no graph, whatever its twin compiled."""
+    params = {"train.num_iterations": "3600", "train.eval_period": "300"}
+    run = {"batch_size": "4", "num_accum": "4", "accumulate": "batched", "compiled": "train,eval", "model": "simple",
+           "dataset": "mnist", "norm": "in"}
+    assert progress.run_seconds(run, params) > 10 * progress.CELL_S and progress.run_graphs(run)
+    shared = {**run, "gaexp.same_as": "0123abcd"}
+    assert (progress.run_seconds(shared, params), progress.run_graphs(shared)) == (progress.CELL_S, frozenset())
+
+
 def test_a_precision_costs_its_measured_factor_on_a_cpu_and_float32s_elsewhere():
     """The plan and the ETA cost a precision's training and evaluation at PRECISION_COST times float32's on a
     CPU; a run recorded before precision was a choice (no tag) costs as fp32, and so does any cell on a GPU."""
