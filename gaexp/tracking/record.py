@@ -126,7 +126,8 @@ def log_shared(client: MlflowClient, run_id: str, source: Run, extra: Mapping[st
     now = int(time.time() * 1000)
     logged = [Metric(name, m.value, now, m.step) for name in sorted(source.data.metrics) if name not in metrics.RESOURCES
               for m in client.get_metric_history(source.info.run_id, name)]
-    logged += [Metric(name, value, now, max((m.step for m in logged), default=0)) for name, value in (extra or {}).items()]
+    last = max((m.step for m in logged), default=0)
+    logged += [Metric(name, value, now, last) for name, value in (extra or {}).items()]
     curves = [RunTag(name, value) for name, value in source.data.tags.items() if name == CURVES or name.startswith(f"{CURVES}.")]
     for i in range(0, max(len(logged), 1), 1000):  # MLflow takes at most 1,000 metrics per batch
         client.log_batch(run_id, metrics=logged[i:i + 1000], tags=curves if i == 0 else [])
