@@ -69,7 +69,8 @@ def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
 
 def test_the_idx_classes_are_those_of_torchvisions_mnist_family_that_read_the_four_files_as_gaexp_does(tmp_path):
     """gaexp names them and reads their files without importing torchvision (seconds): each class of torchvision's
-    MNIST family that reads the four IDX_NAMES files under root/<class>/raw/, and reads them to the same tensors."""
+    MNIST family that reads the four IDX_NAMES files under root/<class>/raw/, and reads them to the same tensors and
+    class names."""
     import torchvision.datasets
     rng = np.random.default_rng(0)
     arrays = [rng.integers(0, 256, (7, 5, 3), dtype=np.uint8), rng.integers(0, 10, 7, dtype=np.uint8),
@@ -88,6 +89,7 @@ def test_the_idx_classes_are_those_of_torchvisions_mnist_family_that_read_the_fo
             continue
         reads.append(name)
         ours = idx_files.read(dataclasses.replace(mnist(tmp_path), torchvision=name, dataset=name.lower()))
+        assert ours.classes == tuple(cls.classes) == idx_files.IDX_CLASSES[name]  # the names the run's input records
         assert [t.dtype for t in ours[:4]] == [torch.uint8, torch.int64] * 2
         for got, want in zip(ours[:4], (train.data.unsqueeze(1), train.targets, test.data.unsqueeze(1), test.targets)):
             assert torch.equal(got, want), name

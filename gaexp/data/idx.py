@@ -144,10 +144,17 @@ def unpack_deb(deb: Path, folder: str, names: Sequence[str], out: Path) -> None:
 
 
 # torchvision.datasets' classes whose files are the four IDX_NAMES (MNIST and the subclasses that keep its files;
-# EMNIST and QMNIST name theirs otherwise), named without importing torchvision: its import takes its models and
-# torch._dynamo (about 1.5 s), which a cell reading its data needs not (tests/test_data.py holds this list to
-# torchvision's). Their files are read here as those classes read them (`read`); the classes themselves download.
-IDX_CLASSES = ("FashionMNIST", "KMNIST", "MNIST")
+# EMNIST and QMNIST name theirs otherwise), each with its class names, named without importing torchvision: its
+# import takes its models and ops (about 1.5 s with torch._dynamo), which a cell reading its data needs not
+# (tests/test_data.py holds this table to torchvision's). Their files are read here as those classes read them
+# (`read`); the classes themselves download.
+IDX_CLASSES = {
+    "FashionMNIST": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                     "Ankle boot"),
+    "KMNIST": ("o", "ki", "su", "tsu", "na", "ha", "ma", "ya", "re", "wo"),
+    "MNIST": ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven",
+              "8 - eight", "9 - nine"),
+}
 
 
 def check_idx_class(data: DataConfig) -> None:
@@ -290,4 +297,5 @@ def read(data: DataConfig) -> Arrays:
         raise DataError(f"data={data.dataset}: {missing[0]} not found in {folder}; fetch it with "
                         f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`")
     train_x, train_y, test_x, test_y = (read_idx(folder / name) for name in IDX_NAMES)
-    return Arrays(train_x.unsqueeze(1), train_y.long(), test_x.unsqueeze(1), test_y.long(), (), folder.as_uri())
+    return Arrays(train_x.unsqueeze(1), train_y.long(), test_x.unsqueeze(1), test_y.long(),
+                  IDX_CLASSES[data.torchvision], folder.as_uri())
