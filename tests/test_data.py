@@ -108,7 +108,7 @@ def test_a_truncated_or_foreign_idx_file_is_one_line_saying_to_fetch_again(data_
                                         r"3c68746d, not 00000801 to 00000803\); fetch the dataset again$"):
         idx_files.read(mnist(tmp_path))
     labels.unlink()
-    with pytest.raises(DataError, match=r"^data=mnist: t10k-labels-idx1-ubyte not found in .*MNIST/raw; fetch it with "
+    with pytest.raises(DataError, match=rf"^data=mnist: not found under {tmp_path}; fetch it with "
                                         rf"`python -m gaexp.data --dataset mnist --root {tmp_path}`$"):
         idx_files.read(mnist(tmp_path))
 

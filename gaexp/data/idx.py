@@ -292,9 +292,8 @@ def read(data: DataConfig) -> Arrays:
     """The four IDX_NAMES files, as torchvision's MNIST class reads them (images [N, 1, H, W], int64 labels)."""
     check_idx_class(data)
     folder = raw_dir(data)
-    missing = [name for name in IDX_NAMES if not (folder / name).is_file()]
-    if missing:
-        raise DataError(f"data={data.dataset}: {missing[0]} not found in {folder}; fetch it with "
+    if not all((folder / name).is_file() for name in IDX_NAMES):
+        raise DataError(f"data={data.dataset}: not found under {data.root}; fetch it with "
                         f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`")
     train_x, train_y, test_x, test_y = (read_idx(folder / name) for name in IDX_NAMES)
     return Arrays(train_x.unsqueeze(1), train_y.long(), test_x.unsqueeze(1), test_y.long(),
