@@ -18,12 +18,12 @@ from mlflow.tracking import MlflowClient
 from gaexp.analysis import PARTS, training_runs
 from gaexp import arguments, metrics
 from gaexp.config import ADDED_DEFAULTS
-from gaexp.tags import (ACCUMULATE, ACCUMULATE_SETTING, ARITHMETIC_KEY, CELL_START, CPU, CURVES, HEARTBEAT, HOST, PROCESS_START,
-                        REPLICAS, SAME_AS, SINGLE_RUN, SWEEP_ID, SWEEPS)
+from gaexp.tags import (ACCUMULATE, ACCUMULATE_SETTING, ARITHMETIC_KEY, CELL_START, CPU, CURVES, HEARTBEAT, HOST,
+                        PROCESS_START, REPLICAS, SAME_AS, SINGLE_RUN, SWEEP_ID, SWEEPS)
 
 MEASURED = metrics.MEASURED  # vary run to run
 PLACE_TAGS = {SWEEP_ID, SWEEPS, HOST, PROCESS_START, HEARTBEAT,  # where and when,
-              CPU, CELL_START, ACCUMULATE_SETTING, SINGLE_RUN,  # the CPU, how it was asked (the engine used is the tag accumulate),
+              CPU, CELL_START, ACCUMULATE_SETTING, SINGLE_RUN,  # the CPU, how it was asked (the engine used: tag accumulate),
               ARITHMETIC_KEY, SAME_AS}  # and whether another run computed its steps (its results are those): not what
 ADDED_TAGS = {**{tag: ADDED_DEFAULTS[key] for tag, key in PARTS.items()},  # tags runs recorded before them lack:
               ACCUMULATE: ADDED_DEFAULTS["accumulate"], REPLICAS: ADDED_DEFAULTS["regime.replicas"]}  # this value

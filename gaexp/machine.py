@@ -3,6 +3,7 @@ the device `auto` means here. It imports nothing of gaexp; the schema's resolver
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -82,6 +83,7 @@ def threads_for(setting: int | str, cells: int | None, cores: int | None = None)
     return max(1, cores // jobs)
 
 
+@functools.cache  # read once per process, not once per cell
 def cpu_kind(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """This CPU's model and the instruction set torch's CPU kernels use here ("AMD EPYC (AVX512)"): runs on the
     same kind with the same threads repeat bit for bit; on another kind, within rounding (docs/study.md)."""
@@ -89,7 +91,7 @@ def cpu_kind(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in (cpuinfo.read_text(errors="replace").splitlines()
-                                                            if cpuinfo.is_file() else []) if line.startswith("model name")),
-                 platform.processor() or platform.machine() or "unknown CPU")
+    lines = cpuinfo.read_text(errors="replace").splitlines() if cpuinfo.is_file() else []  # none on macOS
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
     return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
