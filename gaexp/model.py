@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.models.resnet import BasicBlock
 
 from gaexp import norms, precision, targets
 from gaexp.task.build import make as make_task
@@ -73,6 +72,10 @@ class ResNet20(nn.Module):
     BLOCKS = 3
 
     def __init__(self, norm_layer: NormLayer, in_channels: int = 1, num_classes: int = 10) -> None:
+        # Imported here: torchvision's import takes its models, ops and torch._dynamo, which a cell of another
+        # model never needs (gaexp/data/idx.py names MNIST's classes without it for the same reason).
+        from torchvision.models.resnet import BasicBlock
+
         super().__init__()
         width = self.STAGES[0]
         self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False), norm_layer(width),

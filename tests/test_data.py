@@ -67,9 +67,10 @@ def test_bad_dataset_source_and_class_name_the_valid_ones(tmp_path):
         ensure_data(dataclasses.replace(mnist(tmp_path), torchvision="CIFAR10"))
 
 
-def test_the_idx_classes_are_those_of_torchvisions_mnist_family_that_read_the_four_files(tmp_path):
-    """gaexp names them without importing torchvision (seconds): each class of torchvision's MNIST family that reads
-    the four IDX_NAMES files under root/<class>/raw/ as gaexp's `read` asks it to, and reads them to its tensors."""
+def test_the_idx_classes_are_those_of_torchvisions_mnist_family_that_read_the_four_files_as_gaexp_does(tmp_path):
+    """gaexp names them and reads their files without importing torchvision (seconds): each class of torchvision's
+    MNIST family that reads the four IDX_NAMES files under root/<class>/raw/, and reads them to the same tensors and
+    class names."""
     import torchvision.datasets
     rng = np.random.default_rng(0)
     arrays = [rng.integers(0, 256, (7, 5, 3), dtype=np.uint8), rng.integers(0, 10, 7, dtype=np.uint8),
@@ -83,14 +84,33 @@ def test_the_idx_classes_are_those_of_torchvisions_mnist_family_that_read_the_fo
         for file, array in zip(idx_files.IDX_NAMES, arrays):
             (raw / file).write_bytes(idx_files._idx_bytes(array))
         try:
-            cls(str(tmp_path), train=True), cls(str(tmp_path), train=False)
-        except (TypeError, RuntimeError):  # EMNIST wants a split, QMNIST files of its own
+            train, test = cls(str(tmp_path), train=True), cls(str(tmp_path), train=False)
+        except (TypeError, RuntimeError):  # EMNIST needs a split, QMNIST its own files
             continue
         reads.append(name)
-        got = idx_files.read(dataclasses.replace(mnist(tmp_path), torchvision=name, dataset=name.lower()))
-        assert [tuple(t.shape) for t in got[:4]] == [(7, 1, 5, 3), (7,), (4, 1, 5, 3), (4,)]
-        assert torch.equal(got.train_images[:, 0], torch.from_numpy(arrays[0])) and got.test_labels.dtype == torch.int64
-    assert reads == list(idx_files.IDX_CLASSES)
+        ours = idx_files.read(dataclasses.replace(mnist(tmp_path), torchvision=name, dataset=name.lower()))
+        assert ours.classes == tuple(cls.classes) == idx_files.IDX_CLASSES[name]  # the names the run's input records
+        assert [t.dtype for t in ours[:4]] == [torch.uint8, torch.int64] * 2
+        for got, want in zip(ours[:4], (train.data.unsqueeze(1), train.targets, test.data.unsqueeze(1), test.targets)):
+            assert torch.equal(got, want), name
+    assert reads == list(idx_files.IDX_CLASSES) == ["FashionMNIST", "KMNIST", "MNIST"]
+
+
+def test_a_truncated_or_foreign_idx_file_is_one_line_saying_to_fetch_again(data_root, tmp_path):
+    raw = copy_raw(data_root, tmp_path)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:-3])
+    with pytest.raises(DataError, match=rf"^{labels}: 9997 bytes of data, its header says 10000; fetch the dataset "
+                                        r"again$"):
+        idx_files.read(mnist(tmp_path))
+    labels.write_bytes(b"<html>")
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte: not an IDX file of unsigned bytes \(it begins "
+                                        r"3c68746d, not 00000801 to 00000803\); fetch the dataset again$"):
+        idx_files.read(mnist(tmp_path))
+    labels.unlink()
+    with pytest.raises(DataError, match=rf"^data=mnist: not found under {tmp_path}; fetch it with "
+                                        rf"`python -m gaexp.data --dataset mnist --root {tmp_path}`$"):
+        idx_files.read(mnist(tmp_path))
 
 
 def test_real_files_pass_md5_and_torchvision_reads_them(data_root):

@@ -77,6 +77,18 @@ def test_resnet20_is_he_et_als_with_a_norm_after_every_convolution():
     assert y.shape == (1, 32, 14, 14) and torch.equal(y[:, 8:24], x[:, :, ::2, ::2]) and not y[:, :8].any()
 
 
+def test_a_cell_of_the_study_reads_mnist_and_builds_its_model_without_importing_torchvision(data_root):
+    """torchvision's import takes its models, ops and torch._dynamo (about 1.5 s of every cell's process): the study's
+    data and model need none of it, ResNet-20 imports it when built."""
+    probe = ("import sys; from gaexp.data import data_config, open_dataset; from gaexp.model import SimpleModel, "
+             "ResNet20; from gaexp.norms import norm_layer; "
+             f"d = open_dataset(data_config('mnist', {str(data_root)!r})); SimpleModel(norm_layer('gn4')); "
+             "print(len(d.train.labels), 'torchvision' in sys.modules); ResNet20(norm_layer('bn')); "
+             "print('torchvision' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines() == ["60000 False", "True"], done.stderr[-2000:]
+
+
 def test_every_norm_trains_in_resnet20_at_micro_batch_1(compose):
     for norm in NORMS:
         c = typed(compose("model=resnet20", f"norm={norm}", "regime=bs1a16"))

@@ -275,7 +275,7 @@ class DataConfig(Checked):
                            "torchvision.datasets class), folder (an image folder), custom (your loader)",
                     runtime=True, valid=one_of(*DATA_KINDS))
     torchvision: Optional[str] = key(None, "idx and torchvision: its torchvision.datasets class (idx: MNIST, FashionMNIST "
-                                           "or KMNIST, which read the files under root/<class>/raw/)", runtime=True)
+                                           "or KMNIST, whose four files are under root/<class>/raw/)", runtime=True)
     files: Optional[Dict[str, str]] = key(None, "idx: uncompressed IDX file name -> MD5", runtime=True)
     num_train: Optional[int] = key(None, "idx: training images in the files", runtime=True,
                                    valid=(lambda v: v is None or v >= 1, "null or an integer >= 1"))

@@ -1,5 +1,5 @@
 """The MNIST family's data (`data.kind=idx`): find or build a dataset's four verified IDX files, and read them
-with torchvision's class.
+as torchvision's class does.
 
 A dataset is a `data` config (conf/data/<name>.yaml, schema `DataConfig`): its torchvision class, its
 four IDX files with their MD5s, and the sources tried in order (`data.sources`): files already under
@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import io
 import logging
+import math
 import pickle
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ from typing import Mapping, Sequence
 from urllib.parse import urlparse
 
 import numpy as np
+import torch
 
 from gaexp.config import DataConfig, DebianSource, PypiSource
 from gaexp.data.catalog import Arrays, DataError
@@ -141,11 +143,18 @@ def unpack_deb(deb: Path, folder: str, names: Sequence[str], out: Path) -> None:
                 shutil.copyfileobj(src, dst)
 
 
-# torchvision.datasets' classes that read the four IDX_NAMES files under root/<class>/raw/ as `read` asks them to
-# (MNIST and the subclasses that keep its files; EMNIST wants a split, QMNIST files of its own), named without
-# importing torchvision: its import takes its models and torch._dynamo (about 1.5 s), which a command checking its
-# data needs not (tests/test_data.py holds this list to torchvision's).
-IDX_CLASSES = ("FashionMNIST", "KMNIST", "MNIST")
+# torchvision.datasets' classes whose files are the four IDX_NAMES (MNIST and the subclasses that keep its files;
+# EMNIST and QMNIST name theirs otherwise), each with its class names, named without importing torchvision: its
+# import takes its models and ops (about 1.5 s with torch._dynamo), which a cell reading its data needs not
+# (tests/test_data.py holds this table to torchvision's). Their files are read here as those classes read them
+# (`read`); the classes themselves download.
+IDX_CLASSES = {
+    "FashionMNIST": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                     "Ankle boot"),
+    "KMNIST": ("o", "ki", "su", "tsu", "na", "ha", "ma", "ya", "re", "wo"),
+    "MNIST": ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven",
+              "8 - eight", "9 - nine"),
+}
 
 
 def check_idx_class(data: DataConfig) -> None:
@@ -264,13 +273,28 @@ def check_num_train(data: DataConfig) -> None:
                          f"data={data.dataset})")
 
 
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file of unsigned bytes as a uint8 tensor of its dimensions (torchvision's
+    `read_sn3_pascalvincent_tensor` for MNIST's files; tests/test_data.py holds the two equal)."""
+    raw = path.read_bytes()
+    if raw[:3] != b"\0\0\x08" or len(raw) < 4 + 4 * raw[3]:
+        raise DataError(f"{path}: not an IDX file of unsigned bytes (it begins {raw[:4].hex() or 'empty'}, "
+                        "not 00000801 to 00000803); fetch the dataset again")
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(raw[3])]
+    body = 4 + 4 * len(dims)
+    if len(raw) - body != math.prod(dims):
+        raise DataError(f"{path}: {len(raw) - body} bytes of data, its header says {'x'.join(map(str, dims))}; "
+                        "fetch the dataset again")
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, offset=body).reshape(dims).copy())
+
+
 def read(data: DataConfig) -> Arrays:
-    cls = torchvision_class(data)
-    root = str(Path(data.root).expanduser().resolve())
-    try:
-        train, test = cls(root, train=True, download=False), cls(root, train=False, download=False)
-    except RuntimeError:  # torchvision's "Dataset not found. You can use download=True": gaexp fetches instead
+    """The four IDX_NAMES files, as torchvision's MNIST class reads them (images [N, 1, H, W], int64 labels)."""
+    check_idx_class(data)
+    folder = raw_dir(data)
+    if not all((folder / name).is_file() for name in IDX_NAMES):
         raise DataError(f"data={data.dataset}: not found under {data.root}; fetch it with "
-                        f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`") from None
-    return Arrays(train.data.unsqueeze(1), train.targets, test.data.unsqueeze(1), test.targets,
-                  tuple(cls.classes), raw_dir(data).as_uri())
+                        f"`python -m gaexp.data --dataset {data.dataset} --root {data.root}`")
+    train_x, train_y, test_x, test_y = (read_idx(folder / name) for name in IDX_NAMES)
+    return Arrays(train_x.unsqueeze(1), train_y.long(), test_x.unsqueeze(1), test_y.long(),
+                  IDX_CLASSES[data.torchvision], folder.as_uri())
