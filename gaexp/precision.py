@@ -24,6 +24,7 @@ import yaml
 from torch import nn
 
 from gaexp.config import CONFIG_DIR, FP32, PrecisionConfig, precision_name
+from gaexp.optim import Optimizer
 
 log = logging.getLogger("gaexp.app")
 
@@ -155,7 +156,7 @@ class Precision:
                     self.sums[param] = grad.float()
                 param.grad = None
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: Optimizer) -> bool:
         """The optimizer step: the buffer's sums rounded into `.grad`; under the scaler, the gradients unscaled
         and checked once, the step taken or skipped whole, the scale updated once. True: skipped."""
         for param, total in self.sums.items():

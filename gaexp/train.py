@@ -22,6 +22,7 @@ from gaexp.data.batches import Draw, Split, counted, micro_batches
 from gaexp.hooks import EvalPoint, Hook
 from gaexp.machine import device_type
 from gaexp.norms import compiled_training
+from gaexp.optim import adam
 from gaexp.precision import Precision
 from gaexp.replicas import Replicas, replica_draws, summing_locally
 from gaexp.task import MICRO, Task
@@ -195,7 +196,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
         torch._dynamo.reset()  # recompile limit would silently turn later cells eager (Inductor's disk cache stays)
     forward = torch.compile(model, dynamic=False) if "train" in compiled else model
     eval_forward = torch.compile(model, dynamic=False) if "eval" in compiled else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    optimizer = adam(model.parameters(), cfg.lr)  # torch's Adam, without its compiler on the CPU (gaexp/optim.py)
     precision = plan.precision or Precision.float32()
     precision.prepare(model)
     task.attach(model)
@@ -215,7 +216,7 @@ def train(model: torch.nn.Module, train_data: Split, valid_data: Split | None, c
         for step in range(1, cfg.num_iterations + 1):
             losses[step - 1] = gradient(forward, train_data, batches, regime.num_accum, precision, task)
             precision.step(optimizer)  # under a scaler, skipped whole where a gradient is not finite
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             for hook in hooks:
                 hook.after_step(step, losses)
             if step % cfg.eval_period and step < cfg.num_iterations:

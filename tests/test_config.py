@@ -322,7 +322,7 @@ LAYERS = [f"{OPTUNA}._errors", f"{OPTUNA}.config", f"{OPTUNA}.trials", f"{OPTUNA
           *(f"gaexp.{m}" for m in [
               "machine", "redact", "arguments", *WING["config"], "metrics", "tags", "study", "configdocs", "targets",
               "data.catalog", "data.limits", "data.batches", "data.torchvision_sets", "data.idx", "data.folder",
-              "data.custom", "data.text", "data.dataset", "data", "data.__main__", "precision", "task", "task.classify",
+              "data.custom", "data.text", "data.dataset", "data", "data.__main__", "optim", "precision", "task", "task.classify",
               "task.lm", "task.contrastive", "task.build", "hooks", "liveness", "faults", "trial", "layers", "gpt",
               "norms", "model", "memory", "batched", "cached", "replicas", "engine", "train", "team", *(f"check.{m}" for m in CHECK), "check", *WING["tracking"], "cell",
               "tools.storegen", "tools.server", *WING["progress"], "breakdown", "tools.eta_replay", "tuning", *WING["analysis"],
