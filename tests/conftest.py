@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from gaexp import analysis, tracking
 from gaexp.tools import server
+from gaexp.tools.server import NO_JOB_RUNNERS
 from gaexp.data.batches import Split
 from gaexp.config import CONFIG_DIR, parse_regime
 from gaexp.data.catalog import DataError, data_config
@@ -266,6 +267,20 @@ def kill_when(proc: subprocess.Popen, reached: Callable[[], bool], timeout: floa
 serving = server.running  # the one way tests (and gaexp.tools.storebench) run a server process
 
 
+def processes() -> list[tuple[int, int, str]]:
+    """(pid, process group, command line) of every live process, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue  # ended while read
+            found.append((int(entry.name), group, line))
+    return found
+
+
 @pytest.fixture(scope="session")
 def serve():
     """serve(argv, url, log_path, what): `serving`, the one way tests run a server process."""
@@ -281,7 +296,7 @@ def server(tmp_path_factory, free_port):
     argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
             "--workers", "2", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
             "--artifacts-destination", str(root / "artifacts")]
-    with serving(argv, uri, root / "server.log", env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}):
+    with serving(argv, uri, root / "server.log", env={**os.environ, **NO_JOB_RUNNERS}):
         yield uri, root
 
 

@@ -16,6 +16,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from gaexp.tools import server
+from tests.conftest import processes
 
 PASSWORD = "admin-pass-4-tests"  # the admin's: in the environment only
 STORAGE_SECRET = "s3cr3t-PW"  # in a storage URL the config carries
@@ -239,20 +240,6 @@ def test_a_new_admin_password_replaces_the_old_one_at_restart_and_says_so(restar
     assert "admin's password changed to the one in MLFLOW_AUTH_ADMIN_PASSWORD" in restarted["second"]
     assert "password changed" not in restarted["first"]
     assert NEW_PASSWORD not in restarted["second"] and OLD_PASSWORD not in restarted["first"]
-
-
-def processes() -> list[tuple[int, int, str]]:
-    """(pid, process group, command line) of every live process, from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
-                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except (OSError, IndexError, ValueError):
-                continue  # ended while read
-            found.append((int(entry.name), group, line))
-    return found
 
 
 @pytest.mark.slow

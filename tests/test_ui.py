@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from gaexp import tracking
 from gaexp.tools import ui
 from gaexp import tags as runtags
+from tests.conftest import processes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -174,6 +175,17 @@ def test_the_printed_link_opens_the_runs_table(ui_server):
 
 @pytest.mark.slow
 @pytest.mark.browser
+def test_the_ui_starts_none_of_mlflows_job_runners(ui_server):
+    """`mlflow ui` starts MLflow's GenAI job runners by default (8 huey processes, about 20 s of CPU): the UI gaexp
+    starts runs without them, as its server does. A value the user set is kept."""
+    _, root = ui_server
+    every = processes()
+    leader = next(pid for pid, group, line in every if pid == group and f"sqlite:///{root}/mlflow.db" in line)
+    group = [line for _, group, line in every if group == leader]
+    assert len(group) > 1 and not [line for line in group if "mlflow.server.jobs" in line or "huey" in line], group
+    assert ui.ui_environment({"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true"})["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"
+
+
 def test_without_the_parameter_the_ui_opens_on_the_genai_overview(ui_server):
     """Why the link carries ?workflowType=machine_learning: MLflow 3.17's UI picks the view from the URL (or what
     the browser saved), not from the experiment's tag; the bare page is the GenAI overview, with no run in sight.

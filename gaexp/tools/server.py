@@ -142,6 +142,11 @@ def command(root: Path, host: str, port: int, auth: bool, workers: int, allowed:
     return argv + (["--app-name", "basic-auth"] if auth else [])
 
 
+# MLflow's GenAI job runners (huey consumers, which `mlflow server` and `mlflow ui` start by default): 8 processes,
+# about 20 s of CPU at every start, that gaexp needs none of. Off unless the environment turns them on.
+NO_JOB_RUNNERS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The server's command line and environment, and its folder made owner-only (saying so if an older
     version's was not); ValueError: one line naming the bad setting."""
@@ -150,8 +155,7 @@ def prepare(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[str], d
     if args.default_permission not in PERMISSIONS:
         raise ValueError(f"--default-permission {args.default_permission}; valid: {', '.join(PERMISSIONS)}")
     locked = needs_auth(args.host, args.auth)
-    env = {**env}
-    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")  # MLflow's GenAI job runners: 8 processes gaexp needs none of
+    env = {**NO_JOB_RUNNERS, **env}  # a value the caller set is kept
     if locked:
         env["MLFLOW_AUTH_ADMIN_PASSWORD"] = admin_password(args.admin_password_file, env)
         if importlib.util.find_spec("flask_wtf") is None:  # MLflow's auth app needs it (the mlflow[auth] extra)

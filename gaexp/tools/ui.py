@@ -21,6 +21,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from gaexp import arguments, redact, tracking
+from gaexp.tools.server import NO_JOB_RUNNERS
 
 WORKFLOW = "machine_learning"  # the UI's value for model training: runs, models, metrics
 STORE_FORM = "sqlite:///ABSOLUTE/PATH.db or http(s)://HOST:PORT"
@@ -78,9 +79,10 @@ QUIET_WARNINGS = "ignore:starlette.middleware.wsgi is deprecated:UserWarning"  #
 
 
 def ui_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` with QUIET_WARNINGS added to the warning filters it already gives."""
+    """`environ` with QUIET_WARNINGS added to the warning filters it already gives, and MLflow's job runners off
+    unless it turns them on (as gaexp's server)."""
     given = environ.get("PYTHONWARNINGS", "")
-    return {**environ, "PYTHONWARNINGS": ",".join(filter(None, [given, QUIET_WARNINGS]))}
+    return {**NO_JOB_RUNNERS, **environ, "PYTHONWARNINGS": ",".join(filter(None, [given, QUIET_WARNINGS]))}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
