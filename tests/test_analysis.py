@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import warnings
 
@@ -592,3 +594,14 @@ def test_a_loss_headline_ranks_lowest_first_and_calls_a_higher_loss_worse():
     assert ranking.loc[1, "vs step_token_mean/bs1a16 verdict"] == "worse"
     text = analysis.format_ranking(ranking, design, TOKEN_LOSS)
     assert "| rank | loss | bs1a16 nats | std | seeds |" in text and "| 2 | token_mean | 2.553 | " in text
+
+
+def test_the_report_imports_scipy_only_where_it_computes_an_interval():
+    """scipy.stats takes about 0.8 s to import: a sweep's own process, and a report of one seed (a first try, the
+    tests' sweeps), compute no interval and import none of it; a comparison of two seeds does."""
+    probe = ("import sys, pandas as pd; from gaexp.analysis import paired_verdict; "
+             "one = paired_verdict(pd.Series([97.0]), pd.Series([96.0]), 0.5); print(one['verdict'], 'scipy.stats' in sys.modules); "
+             "two = paired_verdict(pd.Series([97.0, 96.5]), pd.Series([96.0, 96.1]), 0.5); "
+             "print(round(two['ci_low'], 2), 'scipy.stats' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines() == ["n/a (1 seed) False", f"{round(stats.ttest_rel([97.0, 96.5], [96.0, 96.1]).confidence_interval(0.95)[0], 2)} True"], done.stderr[-2000:]

@@ -11,7 +11,6 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from gaexp.analysis.columns import (ACTIVATIONS, AnalysisError, ENGINE, MEMORY_COLUMNS, PARTS, PROTOCOL, VALID_ACC,
                                     as_rows, column, headline, in_order, norm_order, row_keys)
@@ -66,6 +65,9 @@ PAIRED_COLUMNS = ["diff", "ci_low", "ci_high", "pairs", "sd_a", "sd_b", "p_equiv
 def _settled(diff: float, sd: float, n: int, margin: float) -> bool:
     """Whether n pairs with this mean difference and spread give a verdict other than inconclusive:
     TOST's 90% interval inside +-margin, or the 95% interval clear of 0 (the tests' own criteria)."""
+    from scipy import stats  # imported where an interval is computed: about 0.8 s a process, which a report of
+    # one seed (the tests' sweeps, a first try) and the sweep's own process need not
+
     se = sd / np.sqrt(n)
     return (abs(diff) + stats.t.ppf(1 - ALPHA, n - 1) * se < margin
             or abs(diff) > stats.t.ppf(1 - ALPHA / 2, n - 1) * se)
@@ -83,8 +85,6 @@ def paired_verdict(a: pd.Series, b: pd.Series, margin: float, higher_is_better: 
     equivalent when statsmodels' paired TOST puts the difference inside +-margin at 5%; worse or better
     (different) when the interval excludes 0, better being a higher value unless `higher_is_better` is False (a
     loss); inconclusive otherwise, with the seeds that would settle it."""
-    from statsmodels.stats.weightstats import ttost_paired  # the report's only user: not imported by the app
-
     pairs = pd.concat([a.rename("a"), b.rename("b")], axis=1).dropna()
     x, y, n = pairs.a.to_numpy(float), pairs.b.to_numpy(float), len(pairs)
     out = dict.fromkeys(PAIRED_COLUMNS, np.nan) | {"pairs": n, "seeds_needed": None}
@@ -94,6 +94,9 @@ def paired_verdict(a: pd.Series, b: pd.Series, margin: float, higher_is_better: 
     out["diff"] = float(d.mean())
     if n < 2:
         return out | {"verdict": VERDICTS[4]}
+    from scipy import stats  # here, where an interval is computed (see _settled)
+    from statsmodels.stats.weightstats import ttost_paired  # the report's only user: not imported by the app
+
     out |= {"sd_a": float(np.std(x, ddof=1)), "sd_b": float(np.std(y, ddof=1))}
     sd = float(np.std(d, ddof=1))
     if sd == 0:  # every seed gives the same difference: the interval is that point, the tests degenerate
